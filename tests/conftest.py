@@ -1,0 +1,8 @@
+"""Shared pytest set-up: makes `tests/support` importable as the `support` package."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
