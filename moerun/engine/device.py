@@ -1,0 +1,32 @@
+"""Choosing the device and compute dtype."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moerun.errors import MoerunError
+
+DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """`device`, else $MOERUN_DEVICE, else CUDA when available, else the CPU."""
+    choice = device or os.environ.get("MOERUN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(choice)
+    except (RuntimeError, TypeError) as e:
+        raise MoerunError(f"invalid device {choice!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MoerunError(f"device {choice!r} requested but CUDA is not available (torch {torch.__version__})")
+    return dev
+
+
+def pick_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """torch.float32 / torch.bfloat16 from a dtype or its name."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise MoerunError(f"unsupported compute dtype {dtype!r}; use one of {', '.join(DTYPES)}")

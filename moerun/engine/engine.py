@@ -1,0 +1,140 @@
+"""Engine: load a GGUF model, keep its KV cache, run prompt and decode steps.
+
+    eng = Engine("model.gguf")                 # device auto (CUDA if present), float32
+    logits = eng.forward([1, 2, 3])            # [3, V] logits of a prompt, cache now holds 3 tokens
+    logits = eng.forward([4])                  # [1, V] one decode step at position 3
+    eng.reset()                                # empty the cache
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from moerun.engine.device import pick_device, pick_dtype
+from moerun.engine.kv_cache import KVCache
+from moerun.errors import ContextOverflow, MoerunError, ShapeMismatch
+from moerun.gguf.reader import GGUFFile
+from moerun.models.config import ModelConfig, read_config
+from moerun.models.dequant_cache import DequantCache
+from moerun.models.registry import arch_spec
+from moerun.models.transformer import Transformer
+from moerun.models.weights import ModelWeights, load_weights
+
+DEFAULT_N_CTX = 4096
+DEFAULT_DEQUANT_BUDGET = 4 << 30  # bytes of weights kept dequantized by the reference path
+
+
+class Engine:
+    """One model, one sequence: a KV cache of `n_ctx` positions and the number of positions filled."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = torch.float32,
+        n_ctx: int | None = None,
+        dequant_budget_bytes: int = DEFAULT_DEQUANT_BUDGET,
+        progress: bool | None = None,
+    ) -> None:
+        self.file = GGUFFile(path)
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype)
+        self.spec = arch_spec(self.file.architecture, file=str(self.file.path))
+        self.cfg: ModelConfig = read_config(self.file, self.spec, self._n_vocab())
+        weights = load_weights(self.file, self.spec, self.cfg)
+        if self.device.type != "cpu":
+            weights = _to_device(weights, self.device, progress)
+        self.weights = weights
+        self.model = Transformer(self.spec, self.cfg, weights, DequantCache(self.dtype, dequant_budget_bytes))
+        self.n_ctx = self._context_size(n_ctx)
+        self.cache = KVCache(self.cfg, self.n_ctx, self.device, self.dtype)
+        self.n_past = 0
+
+    def _context_size(self, n_ctx: int | None) -> int:
+        train = self.cfg.n_ctx_train
+        if n_ctx is None:
+            return min(train, DEFAULT_N_CTX) if train > 0 else DEFAULT_N_CTX
+        if n_ctx <= 0:
+            raise MoerunError(f"{self.file.path}: context size must be positive, got {n_ctx}")
+        if 0 < train < n_ctx:
+            raise ContextOverflow(f"{self.file.path}: n_ctx {n_ctx} exceeds the model's context length "
+                                  f"{train} ({self.spec.name}.context_length)")
+        return n_ctx
+
+    def _n_vocab(self) -> int:
+        entry = self.file.tensor("token_embd.weight")
+        if len(entry.shape) != 2:
+            raise ShapeMismatch(f"{self.file.path}: tensor 'token_embd.weight' has shape {list(entry.shape)}, "
+                                "expected [n_vocab, n_embd]")
+        n_vocab = entry.shape[0]
+        declared = self.file.get(f"{self.spec.name}.vocab_size")
+        if declared is not None and declared != n_vocab:
+            raise ShapeMismatch(f"{self.file.path}: '{self.spec.name}.vocab_size' is {declared} but "
+                                f"tensor 'token_embd.weight' has {n_vocab} rows")
+        return n_vocab
+
+    def reset(self) -> None:
+        """Forget every cached position (the cache tensors are reused)."""
+        self.n_past = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int] | torch.Tensor, *, pos: int | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Run `tokens` at positions pos.. (default: after the cached ones) -> logits [T, V] float32.
+
+        `pos` below `n_past` rewinds the cache (positions from `pos` on are overwritten), which is
+        how a prompt continues a shared prefix. With `last_only`, returns only the last row [1, V].
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.long).flatten().to(self.device)  # [T]
+        pos = self.n_past if pos is None else pos
+        T = ids.shape[0]
+        if T == 0:
+            raise MoerunError("forward() needs at least one token")
+        if not 0 <= pos <= self.n_past:
+            raise MoerunError(f"position {pos} is outside the cached range 0..{self.n_past}")
+        if pos + T > self.n_ctx:
+            raise ContextOverflow(f"{self.file.path}: {T} tokens at position {pos} need {pos + T} positions "
+                                  f"but the context size is {self.n_ctx} (raise n_ctx, up to "
+                                  f"{self.cfg.n_ctx_train}, or start a new sequence)")
+        bad = (ids < 0) | (ids >= self.cfg.n_vocab)
+        if bool(bad.any()):
+            raise MoerunError(f"token id {int(ids[bad][0])} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
+        logits = self.model.forward(ids, pos, self.cache, last_only=last_only)
+        self.n_past = pos + T
+        return logits
+
+    def generate_greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        """Greedy continuation: prefill `prompt` from position 0, then `n` tokens one step at a time."""
+        self.reset()
+        logits = self.forward(prompt, last_only=True)
+        out: list[int] = []
+        for _ in range(n):
+            tok = int(logits[-1].argmax())
+            out.append(tok)
+            if len(out) == n:
+                break
+            logits = self.forward([tok])
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _to_device(w: ModelWeights, device: torch.device, progress: bool | None) -> ModelWeights:
+    """Copy every parameter to `device`, with a progress bar for large models."""
+    items = [(None, k, v) for k, v in w.globals.items()]
+    items += [(i, k, v) for i, layer in enumerate(w.layers) for k, v in layer.items()]
+    total = sum(v.nbytes for _, _, v in items)
+    show = progress if progress is not None else total > (1 << 30)
+    g: dict = {}
+    layers: list[dict] = [{} for _ in w.layers]
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading to {device}", disable=not show) as bar:
+        for i, k, v in items:
+            (g if i is None else layers[i])[k] = v.to(device)
+            bar.update(v.nbytes)
+    return ModelWeights(g, layers)
