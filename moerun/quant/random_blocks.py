@@ -7,6 +7,9 @@ fields, and the 6-bit / int8 sub-scales of K-quants, are chosen so values stay n
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -76,9 +79,18 @@ def random_blocks(
     if qt.block_size == 1:
         return _random_floats(qt.ggml, n_blocks, rng, scale, extreme)
     out = np.empty((n_blocks, qt.type_size), dtype=np.uint8)  # [n_blocks, type_size]
-    chunk = max(1, _CHUNK_BYTES // qt.type_size)  # work on cache-sized pieces, not per block
-    for start in range(0, n_blocks, chunk):
-        _fill(qt.ggml, out[start : start + chunk], rng, scale, extreme)
+    chunk = max(1, _CHUNK_BYTES // qt.type_size)  # cache-sized pieces, filled in parallel threads
+    starts = range(0, n_blocks, chunk)
+    if len(starts) <= 1:
+        _fill(qt.ggml, out, rng, scale, extreme)
+        return out
+    rngs = rng.spawn(len(starts))  # one child stream per chunk: the result does not depend on threading
+
+    def fill(i: int) -> None:
+        _fill(qt.ggml, out[starts[i] : starts[i] + chunk], rngs[i], scale, extreme)
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(fill, range(len(starts))))
     return out
 
 
