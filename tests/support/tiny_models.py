@@ -97,8 +97,11 @@ def _build(
 
 def olmoe(seed: int) -> PreTrainedModel:
     """OLMoE: 8 experts, top-2, no renormalisation of the top-k weights, full-width q/k norms."""
+    # no head_dim key: OlmoeConfig has none (head_dim = hidden / heads), and with one in the config the
+    # converter would write attention.key_length, which real OLMoE files lack
+    common = {k: v for k, v in COMMON.items() if k != "head_dim"}
     cfg = OlmoeConfig(
-        **{**COMMON, "rms_norm_eps": 1e-5},
+        **{**common, "rms_norm_eps": 1e-5},
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=False,
