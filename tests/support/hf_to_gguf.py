@@ -32,6 +32,8 @@ from transformers import PreTrainedModel
 from moerun.gguf.vocab import add_bpe_vocab
 from moerun.quant.random_blocks import random_blocks
 
+__all__ = ["write_gguf"]
+
 T = gguf.GGMLQuantizationType
 MT = gguf.MODEL_TENSOR
 A = gguf.MODEL_ARCH
