@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from gguf import TENSOR_NAMES, MODEL_TENSOR as T  # noqa: N811
+from gguf import MODEL_TENSOR as T
+from gguf import TENSOR_NAMES  # noqa: N811
 
 from moerun.errors import ShapeMismatch
 from moerun.gguf.reader import GGUFFile

@@ -99,9 +99,10 @@ def olmoe(seed: int) -> PreTrainedModel:
     """OLMoE: 8 experts, top-2, no renormalisation of the top-k weights, full-width q/k norms."""
     # no head_dim key: OlmoeConfig has none (head_dim = hidden / heads), and with one in the config the
     # converter would write attention.key_length, which real OLMoE files lack
+    # no GQA: llama.cpp's olmoe graph sizes attn_k_norm as n_embd (real OLMoE has 16 q and 16 kv heads)
     common = {k: v for k, v in COMMON.items() if k != "head_dim"}
     cfg = OlmoeConfig(
-        **{**common, "rms_norm_eps": 1e-5},
+        **{**common, "rms_norm_eps": 1e-5, "num_key_value_heads": N_HEAD},
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=False,
