@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -108,18 +108,33 @@ class Engine:
         self.n_past = pos + T
         return logits
 
-    def generate_greedy(self, prompt: Sequence[int], n: int) -> list[int]:
-        """Greedy continuation: prefill `prompt` from position 0, then `n` tokens one step at a time."""
+    @torch.inference_mode()
+    def prefill(self, tokens: Sequence[int] | torch.Tensor) -> int:
+        """Run a prompt after the cached positions and return the token chosen to follow it."""
+        return self._choose(self.forward(tokens, last_only=True)[-1])
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> int:
+        """One generation step: `token` at position n_past -> the next token (chosen on the device;
+        only the chosen id reaches the host). The step `generate` and `moerun bench`'s tgN both use."""
+        return self._choose(self.forward([token], last_only=True)[-1])
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        """logits: [V] -> greedy token id."""
+        return int(logits.argmax())
+
+    def generate(self, prompt: Sequence[int], n: int) -> Iterator[int]:
+        """Yield `n` tokens continuing `prompt` (prefilled from position 0), one decode step each."""
         self.reset()
-        logits = self.forward(prompt, last_only=True)
-        out: list[int] = []
-        for _ in range(n):
-            tok = int(logits[-1].argmax())
-            out.append(tok)
-            if len(out) == n:
-                break
-            logits = self.forward([tok])
-        return out
+        tok = self.prefill(prompt)
+        for i in range(n):
+            yield tok
+            if i + 1 < n:
+                tok = self.decode(tok)
+
+    def generate_greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        """Greedy continuation of `prompt` as a list of `n` token ids."""
+        return list(self.generate(prompt, n))
 
     def close(self) -> None:
         self.file.close()

@@ -1,0 +1,5 @@
+import sys
+
+from moerun.cli import main
+
+sys.exit(main())

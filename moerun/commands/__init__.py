@@ -1,0 +1,1 @@
+"""CLI subcommands; see moerun/cli.py for the contract each module follows."""
