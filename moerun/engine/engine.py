@@ -136,6 +136,11 @@ class Engine:
         """Greedy continuation of `prompt` as a list of `n` token ids."""
         return list(self.generate(prompt, n))
 
+    def kernel_paths(self) -> dict[str, str]:
+        """Which kernels multiply by each weight type this model uses: {"Q4_K": "torch-dequant", ...}."""
+        types = {e.type_name for e in self.file.tensors.values()}
+        return {t: "torch-dequant" for t in sorted(types)}
+
     def close(self) -> None:
         self.file.close()
 
