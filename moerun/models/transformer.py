@@ -34,7 +34,7 @@ class Transformer:
         cfg, g = self.cfg, self.w.globals
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=tokens.device)  # [T]
         rope = self._rope_tables(pos)
-        x = self.dq.rows(g["token_embd"], tokens)  # [T, N]
+        x = self.dq.rows(g["token_embd"], tokens).float()  # [T, N] residual stream, float32
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         for i, layer in enumerate(self.w.layers):
@@ -42,7 +42,7 @@ class Transformer:
         if last_only:
             x = x[-1:]
         x = ref.rms_norm(x, g["output_norm"], cfg.rms_eps)
-        logits = (x @ self.dq.matrix(g.get("output", g["token_embd"])).T).float()  # [T, V]
+        logits = ref.linear(x, self.dq.matrix(g.get("output", g["token_embd"])))  # [T, V]
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits
@@ -72,9 +72,9 @@ class Transformer:
                    cache: KVCache, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         cfg, spec, mat = self.cfg, self.spec, self.dq.matrix
         T = x.shape[0]
-        q = x @ mat(L["attn_q"]).T  # [T, H*D]
-        k = x @ mat(L["attn_k"]).T  # [T, Hkv*D]
-        v = x @ mat(L["attn_v"]).T  # [T, Hkv*Dv]
+        q = ref.linear(x, mat(L["attn_q"]))  # [T, H*D]
+        k = ref.linear(x, mat(L["attn_k"]))  # [T, Hkv*D]
+        v = ref.linear(x, mat(L["attn_v"]))  # [T, Hkv*Dv]
         if spec.qk_norm == "full":
             q = ref.rms_norm(q, L["attn_q_norm"], cfg.rms_eps)
             k = ref.rms_norm(k, L["attn_k_norm"], cfg.rms_eps)
@@ -91,7 +91,7 @@ class Transformer:
         cache.write(i, pos0, k, v)
         k_all, v_all = cache.read(i, pos0 + T)  # [S, Hkv, D], [S, Hkv, Dv]
         o = ref.attention(q, k_all, v_all, pos, cfg.attn_scale, cfg.sliding_window if swa else 0)
-        return o.reshape(T, cfg.n_head * cfg.head_dim_v) @ mat(L["attn_output"]).T  # [T, N]
+        return ref.linear(o.reshape(T, cfg.n_head * cfg.head_dim_v), mat(L["attn_output"]))  # [T, N]
 
     def _mlp(self, L: dict[str, Param], x: torch.Tensor) -> torch.Tensor:
         mat = self.dq.matrix
@@ -102,11 +102,11 @@ class Transformer:
         cfg = self.cfg
         router = L["ffn_gate_inp"]  # [E, N] float32
         assert isinstance(router, torch.Tensor)
-        weights, ids = ref.route(x.float() @ router.T, cfg.n_expert_used, cfg.expert_weights_norm)  # [T, K]
+        weights, ids = ref.route(x @ router.T, cfg.n_expert_used, cfg.expert_weights_norm)  # [T, K]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             y = ref.gated_mlp(x[tok], self.dq.expert(L["ffn_gate_exps"], e), self.dq.expert(L["ffn_up_exps"], e),
                               self.dq.expert(L["ffn_down_exps"], e), self.spec.act)  # [t, N]
-            out.index_add_(0, tok, y.float() * weights[tok, slot, None])
-        return out.to(x.dtype)
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out

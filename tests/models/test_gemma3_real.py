@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.device import TEST_DEVICE
 
 from moerun.engine.engine import Engine
 
@@ -34,7 +35,7 @@ def hf(gemma_file):
 
 @pytest.fixture(scope="module")
 def engine(gemma_file):
-    return Engine(gemma_file, device="cpu")
+    return Engine(gemma_file, device=TEST_DEVICE)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -55,6 +56,6 @@ def test_prefill_logits_match_transformers(hf, engine: Engine) -> None:
     with torch.no_grad():
         ref = model(ids).logits[0].float()  # [T, V]
     engine.reset()
-    got = engine.forward(ids[0])
+    got = engine.forward(ids[0]).cpu()
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-4, f"max relative logit error {rel:.2e}"
