@@ -1,0 +1,77 @@
+"""`moerun bench`: llama-bench-compatible pp/tg measurement (see moerun/bench.py for the definitions)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moerun.errors import MoerunError
+
+NAME = "bench"
+HELP = "measure prompt (ppN) and generation (tgN) speed like llama-bench, with GB/s and % of the roofline"
+
+DEFAULT_PRESET = "tiny-olmoe"
+DEFAULT_TYPE = "q4_k_m"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", metavar="FILE",
+                   help="GGUF file (default: a synthetic model, see --preset/--type)")
+    p.add_argument("--preset", default=None, help=f"synthetic model preset when no -m (default {DEFAULT_PRESET})")
+    p.add_argument("--type", dest="ftype", default=None,
+                   help=f"quant type of the synthetic model (default {DEFAULT_TYPE})")
+    p.add_argument("-p", "--n-prompt", default="512", metavar="N[,N...]", help="ppN tests; 0 skips (default 512)")
+    p.add_argument("-n", "--n-gen", default="128", metavar="N[,N...]", help="tgN tests; 0 skips (default 128)")
+    p.add_argument("-d", "--n-depth", default="0", metavar="D[,D...]",
+                   help="tokens in the KV cache before each test (default 0)")
+    p.add_argument("-r", "--repetitions", type=int, default=5, help="timed repetitions per test (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing (default 1)")
+    p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
+    p.add_argument("--output-file", metavar="PATH", help="also write the full JSON report to PATH")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: $MOERUN_DEVICE, else CUDA if present)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default float32)")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0,
+                   help="size of the device copy that measures bandwidth, GiB (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    """-m FILE, or the cached synthetic model of --preset/--type."""
+    if args.model:
+        if args.preset or args.ftype:
+            raise MoerunError("give either -m FILE or --preset/--type, not both")
+        return Path(args.model)
+    try:
+        from moerun.synth import cached_synth
+    except ImportError as e:
+        raise MoerunError(f"synthetic models are unavailable ({e}); pass -m FILE") from None
+    preset, ftype = args.preset or DEFAULT_PRESET, args.ftype or DEFAULT_TYPE
+    print(f"moerun bench: synthetic model {preset} {ftype} (cached after the first run)", file=sys.stderr)
+    return Path(cached_synth(preset, ftype, seed=0))
+
+
+def run(args: argparse.Namespace) -> int:
+    from moerun import bench
+    from moerun.engine.engine import Engine
+
+    tests = bench.plan(bench.parse_counts(args.n_prompt), bench.parse_counts(args.n_gen),
+                       bench.parse_counts(args.n_depth) or [0])
+    if not tests:
+        raise MoerunError("nothing to run: every -p and -n is 0")
+    if args.repetitions < 1 or args.warmup < 0:
+        raise MoerunError("need -r >= 1 and --warmup >= 0")
+    path = _model_path(args)
+    need = max(t.depth + t.n for t in tests)
+    engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need)
+    try:
+        report = bench.bench(engine, tests, reps=args.repetitions, warmup=args.warmup, seed=args.seed,
+                             bandwidth_bytes=int(args.bandwidth_gib * bench.GiB))
+    finally:
+        engine.close()
+    data = bench.to_json(report)
+    if args.output_file:
+        Path(args.output_file).write_text(json.dumps(data, indent=2) + "\n")
+    print(json.dumps(data, indent=2) if args.output == "json" else bench.markdown(report))
+    return 0
