@@ -23,9 +23,9 @@ import datetime
 import math
 import statistics
 import subprocess
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,10 +219,10 @@ def measure_bandwidth(device: torch.device, nbytes: int = GiB, reps: int = 5) ->
     best = math.inf
     for _ in range(reps):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         dst.copy_(src)
         sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, perf_counter() - t0)
     del src, dst
     return {"copy_bytes": nbytes, "reps": reps, "best_s": best, "gbps": 2 * nbytes / best / 1e9}
 
@@ -243,10 +243,10 @@ def time_pp(engine: Engine, n: int, depth: int, gen: torch.Generator) -> float:
     _fill(engine, gen, depth)
     tokens = _random_tokens(gen, engine.cfg.n_vocab, n)
     sync(engine.device)
-    t0 = time.perf_counter()
+    t0 = perf_counter()
     engine.forward(tokens, last_only=True)
     sync(engine.device)
-    return time.perf_counter() - t0
+    return perf_counter() - t0
 
 
 def time_tg(engine: Engine, n: int, depth: int, gen: torch.Generator) -> float:
@@ -254,11 +254,11 @@ def time_tg(engine: Engine, n: int, depth: int, gen: torch.Generator) -> float:
     _fill(engine, gen, depth)
     tok = _random_tokens(gen, engine.cfg.n_vocab, 1)[0]
     sync(engine.device)
-    t0 = time.perf_counter()
+    t0 = perf_counter()
     for _ in range(n):
         tok = engine.decode(tok)
     sync(engine.device)
-    return time.perf_counter() - t0
+    return perf_counter() - t0
 
 
 def run_test(engine: Engine, spec: TestSpec, reps: int, warmup: int = 1, seed: int = 0) -> list[float]:

@@ -12,7 +12,7 @@ from moerun.errors import MoerunError
 NAME = "bench"
 HELP = "measure prompt (ppN) and generation (tgN) speed like llama-bench, with GB/s and % of the roofline"
 
-DEFAULT_PRESET = "tiny-olmoe"
+DEFAULT_PRESET = "tiny-olmoe-1b-7b"
 DEFAULT_TYPE = "q4_k_m"
 
 
