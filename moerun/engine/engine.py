@@ -15,9 +15,11 @@ import torch
 from tqdm.auto import tqdm
 
 from moerun.engine.device import pick_device, pick_dtype
+from moerun.engine.fast_decode import FastDecoder
 from moerun.engine.kv_cache import KVCache
 from moerun.errors import ContextOverflow, MoerunError, ShapeMismatch
 from moerun.gguf.reader import GGUFFile
+from moerun.kernels.ops import make_ops
 from moerun.models.config import ModelConfig, read_config
 from moerun.models.dequant_cache import DequantCache
 from moerun.models.registry import arch_spec
@@ -40,7 +42,15 @@ class Engine:
         n_ctx: int | None = None,
         dequant_budget_bytes: int = DEFAULT_DEQUANT_BUDGET,
         progress: bool | None = None,
+        kv_dtype: str | torch.dtype | None = None,
+        fast: bool | None = None,
+        ops: str | None = None,
+        graph: bool = True,
     ) -> None:
+        """Load `path`. device: "cuda"/"cpu"/None (auto). dtype: compute dtype (float32 or bf16).
+        kv_dtype: KV cache dtype (default float16 on CUDA, else the compute dtype). fast: use the fused
+        decode step (default: on CUDA). ops: "triton" or "torch" kernels for it (default: triton on
+        CUDA). graph: replay the fast step as one CUDA graph (CUDA only; False = eager, for debugging)."""
         self.file = GGUFFile(path)
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype)
@@ -52,8 +62,14 @@ class Engine:
         self.weights = weights
         self.model = Transformer(self.spec, self.cfg, weights, DequantCache(self.dtype, dequant_budget_bytes))
         self.n_ctx = self._context_size(n_ctx)
-        self.cache = KVCache(self.cfg, self.n_ctx, self.device, self.dtype)
+        on_cuda = self.device.type == "cuda"
+        self.kv_dtype = pick_dtype(kv_dtype) if kv_dtype else (torch.float16 if on_cuda else self.dtype)
+        self.cache = KVCache(self.cfg, self.n_ctx, self.device, self.kv_dtype)
         self.n_past = 0
+        self.fast: FastDecoder | None = None
+        if fast if fast is not None else on_cuda:
+            kernels = make_ops(ops or ("triton" if on_cuda else "torch"))
+            self.fast = FastDecoder(self.spec, self.cfg, weights, self.cache, kernels, use_graph=graph)
 
     def _context_size(self, n_ctx: int | None) -> int:
         train = self.cfg.n_ctx_train
@@ -78,6 +94,14 @@ class Engine:
                                 f"tensor 'token_embd.weight' has {n_vocab} rows")
         return n_vocab
 
+    def _check(self, T: int, pos: int) -> None:
+        if not 0 <= pos <= self.n_past:
+            raise MoerunError(f"position {pos} is outside the cached range 0..{self.n_past}")
+        if pos + T > self.n_ctx:
+            raise ContextOverflow(f"{self.file.path}: {T} tokens at position {pos} need {pos + T} positions "
+                                  f"but the context size is {self.n_ctx} (raise n_ctx, up to "
+                                  f"{self.cfg.n_ctx_train}, or start a new sequence)")
+
     def reset(self) -> None:
         """Forget every cached position (the cache tensors are reused)."""
         self.n_past = 0
@@ -95,12 +119,7 @@ class Engine:
         T = ids.shape[0]
         if T == 0:
             raise MoerunError("forward() needs at least one token")
-        if not 0 <= pos <= self.n_past:
-            raise MoerunError(f"position {pos} is outside the cached range 0..{self.n_past}")
-        if pos + T > self.n_ctx:
-            raise ContextOverflow(f"{self.file.path}: {T} tokens at position {pos} need {pos + T} positions "
-                                  f"but the context size is {self.n_ctx} (raise n_ctx, up to "
-                                  f"{self.cfg.n_ctx_train}, or start a new sequence)")
+        self._check(T, pos)
         bad = (ids < 0) | (ids >= self.cfg.n_vocab)
         if bool(bad.any()):
             raise MoerunError(f"token id {int(ids[bad][0])} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
@@ -117,7 +136,14 @@ class Engine:
     def decode(self, token: int) -> int:
         """One generation step: `token` at position n_past -> the next token (chosen on the device;
         only the chosen id reaches the host). The step `generate` and `moerun bench`'s tgN both use."""
-        return self._choose(self.forward([token], last_only=True)[-1])
+        if self.fast is None:
+            return self._choose(self.forward([token], last_only=True)[-1])
+        self._check(1, self.n_past)
+        if not 0 <= token < self.cfg.n_vocab:
+            raise MoerunError(f"token id {token} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
+        next_id = self.fast.run(token, self.n_past)
+        self.n_past += 1
+        return int(next_id.item())
 
     def _choose(self, logits: torch.Tensor) -> int:
         """logits: [V] -> greedy token id."""

@@ -1,0 +1,181 @@
+"""The fast decode step: one token through every layer with fused ops, replayed as one CUDA graph.
+
+Everything stays on the device within a step: the token and position are read from device buffers,
+the router's top-k runs on the GPU and the expert kernels read the chosen ids from device memory;
+the host only reads the chosen next token. The same step runs eagerly (any device, `TorchOps` or
+Triton ops) or captured once and replayed (`use_graph`, CUDA only).
+
+A dense MLP is run as a one-expert MoE (ids = [0], weight 1), so every model uses the same two
+fused FFN kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moerun.engine.kv_cache import KVCache
+from moerun.models.config import ModelConfig
+from moerun.models.spec import ArchSpec
+from moerun.models.weights import ModelWeights
+from moerun.quant.qtensor import QTensor
+from moerun.quant.registry import dequantize
+
+
+@dataclass
+class _Mat:
+    """A quantized matrix as the kernels take it: raw rows [..., row_bytes] and the GGML type."""
+
+    raw: torch.Tensor
+    qtype: int
+    name: str
+
+
+def _mat(w: Any, experts: bool = False) -> _Mat:
+    assert isinstance(w, QTensor), "matrices stay quantized"
+    raw = w.raw if experts or w.raw.dim() == 2 else w.raw.reshape(-1, w.raw.shape[-1])
+    return _Mat(raw, int(w.qtype.ggml), w.name)
+
+
+class FastDecoder:
+    """Static buffers + the per-token sequence of fused ops for one model and one KV cache."""
+
+    def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache,
+                 ops: Any, *, use_graph: bool) -> None:
+        self.spec, self.cfg, self.cache, self.ops = spec, cfg, cache, ops
+        dev = weights.globals["output_norm"].device
+        self.device = dev
+        f32 = dict(device=dev, dtype=torch.float32)
+        N, H, Hkv, D, Dv = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
+        K = cfg.n_expert_used if cfg.is_moe else 1
+        F = cfg.n_ff_exp if cfg.is_moe else cfg.n_ff
+        # per-step inputs and outputs (device)
+        self.tok = torch.zeros(1, device=dev, dtype=torch.long)
+        self.pos = torch.zeros(1, device=dev, dtype=torch.long)
+        self.next_id = torch.zeros(1, device=dev, dtype=torch.long)
+        self.logits = torch.empty(cfg.n_vocab, **f32)
+        # activations
+        self.x = torch.empty(N, **f32)        # residual stream
+        self.xn = torch.empty(N, **f32)       # normalised input of a projection
+        self.y = torch.empty(N, **f32)        # block output before a post-norm
+        self.tmp = torch.empty(N, **f32)
+        self.zero = torch.zeros(N, **f32)
+        self.q = torch.empty(H * D, **f32)
+        self.k = torch.empty(Hkv * D, **f32)
+        self.v = torch.empty(Hkv * Dv, **f32)
+        self.q_rot = torch.empty(H, D, **f32)
+        self.attn = torch.empty(H, Dv, **f32)
+        self.router_logits = torch.empty(max(cfg.n_expert, 1), **f32)
+        self.ids = torch.zeros(K, device=dev, dtype=torch.int32)       # chosen experts
+        self.route_w = torch.ones(K, **f32)                             # their weights
+        self.h = torch.empty(K, F, **f32)
+        self._weights(weights)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.use_graph = use_graph and dev.type == "cuda"
+
+    def _weights(self, w: ModelWeights) -> None:
+        g = w.globals
+        self.embd = g["token_embd"]
+        self.out_norm = g["output_norm"]
+        self.out_mat = _mat(g.get("output", g["token_embd"]))
+        self.rope_freqs = g.get("rope_freqs")
+        self.layers = []
+        moe = self.cfg.is_moe
+        for L in w.layers:
+            d: dict[str, Any] = {k: L[k] for k in L if isinstance(L[k], torch.Tensor)}  # norms, router
+            for k in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                d[k] = _mat(L[k])
+            if moe:
+                for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                    d[k] = _mat(L[k], experts=True)
+            else:  # dense MLP as one expert: [1, rows, row_bytes]
+                for src in ("ffn_gate", "ffn_up", "ffn_down"):
+                    m = _mat(L[src])
+                    d[src + "_exps"] = _Mat(m.raw[None], m.qtype, m.name)
+            self.layers.append(d)
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def _embed(self) -> None:
+        row = self.embd.raw.index_select(0, self.tok)  # [1, row_bytes]
+        e = dequantize(row, int(self.embd.qtype.ggml), (1, self.cfg.n_embd))[0]
+        if self.cfg.embed_scale != 1.0:
+            e = e * self.cfg.embed_scale
+        self.x.copy_(e)
+
+    def _add_block_output(self, post_norm: torch.Tensor) -> None:
+        """x += post_norm(y) (architectures with post-norms)."""
+        self.ops.rms_norm(self.y, post_norm, self.cfg.rms_eps, self.tmp)
+        self.x.add_(self.tmp)
+
+    def _layer(self, i: int, L: dict[str, Any]) -> None:
+        cfg, spec, ops = self.cfg, self.spec, self.ops
+        swa = cfg.swa_layers[i]
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn)
+        for name, out in (("attn_q", self.q), ("attn_k", self.k), ("attn_v", self.v)):
+            m = L[name]
+            ops.qmatvec(m.raw, m.qtype, self.xn, out)
+        ops.qk_norm_rope_store(
+            self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos,
+            self.cache.k[i], self.cache.v[i], self.q_rot, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
+            rope_style=spec.rope_style, rope_dim=cfg.rope_dim,
+            base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
+            freq_factors=self.rope_freqs)
+        ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.pos, cfg.attn_scale,
+                             cfg.sliding_window if swa else 0, self.attn)
+        wo = L["attn_output"]
+        if spec.post_norms:
+            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.y)
+            self._add_block_output(L["post_attention_norm"])
+        else:
+            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x)
+
+        ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn)
+        if cfg.is_moe:
+            torch.mv(L["ffn_gate_inp"], self.xn, out=self.router_logits)
+            ops.route_topk(self.router_logits, cfg.n_expert_used, cfg.expert_weights_norm, self.route_w, self.ids)
+        g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
+        ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act)
+        if spec.post_norms:
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y)
+            self._add_block_output(L["post_ffw_norm"])
+        else:
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x)
+
+    def _step(self) -> None:
+        """One token: tok at pos -> logits, next_id; writes the KV cache at pos."""
+        cfg = self.cfg
+        self._embed()
+        for i, L in enumerate(self.layers):
+            self._layer(i, L)
+        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits)
+        if cfg.final_logit_softcap:
+            c = cfg.final_logit_softcap
+            self.logits.copy_(torch.tanh(self.logits / c) * c)
+        self.ops.argmax(self.logits, self.next_id)
+
+    def _capture(self) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm up (Triton compiles, allocator settles)
+                self._step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def run(self, token: int, pos: int) -> torch.Tensor:
+        """Queue one step for `token` at `pos` (no host sync); returns the device next-id buffer [1]."""
+        self.tok.fill_(token)
+        self.pos.fill_(pos)
+        if not self.use_graph:
+            self._step()
+            return self.next_id
+        if self.graph is None:
+            self._capture()  # its warm-up steps run this very step, so the replay below only repeats it
+        self.graph.replay()
+        return self.next_id

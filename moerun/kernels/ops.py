@@ -1,0 +1,19 @@
+"""Choosing the decode-step ops: fused Triton kernels where a weight type has one, torch otherwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moerun.errors import MoerunError
+from moerun.kernels.torch_ops import TorchOps
+
+
+def make_ops(name: str) -> Any:
+    """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel)."""
+    if name == "torch":
+        return TorchOps()
+    if name == "triton":
+        from moerun.kernels.triton_ops import TritonOps
+
+        return TritonOps()
+    raise MoerunError(f"unknown decode ops {name!r}; use 'triton' or 'torch'")

@@ -1,0 +1,97 @@
+"""Decode-step ops in plain torch, with the same signatures as the fused Triton kernels.
+
+The fast decode path (engine/fast_decode.py) is written against this interface; `TorchOps` runs it
+anywhere (CPU included) and is the twin every Triton op is tested against inside the full step.
+All ops write into caller-provided outputs and read per-step scalars (position, KV length) from
+device tensors, so a step built from them can be captured in a CUDA graph.
+
+Shapes: N = model width, H/Hkv = query/KV heads, D/Dv = head dims, E = experts, K = experts used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.kernels import reference as ref
+from moerun.quant.registry import dequantize
+
+
+def _deq(w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """Raw rows [..., row_bytes] -> float32 [..., cols]."""
+    return dequantize(w, qtype, (*w.shape[:-1], cols))
+
+
+class TorchOps:
+    """Reference implementations of the decode-step ops (allocate freely; correctness only)."""
+
+    name = "torch"
+
+    @staticmethod
+    def qmatvec(w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]."""
+        y = _deq(w, qtype, x.shape[-1]) @ x
+        out.copy_(y if residual is None else y + residual)
+        return out
+
+    @staticmethod
+    def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
+                    x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] device."""
+        g = _deq(w_gate.index_select(0, ids.long()), qtype_gate, x.shape[-1]) @ x  # [K, F]
+        u = _deq(w_up.index_select(0, ids.long()), qtype_up, x.shape[-1]) @ x  # [K, F]
+        out.copy_(ref.ACTIVATIONS[act](g) * u)
+        return out
+
+    @staticmethod
+    def moe_down(w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]."""
+        y = torch.einsum("knf,kf->kn", _deq(w_down.index_select(0, ids.long()), qtype, h.shape[-1]), h)  # [K, N]
+        out.copy_(residual + (weights[:, None] * y).sum(0))
+        return out
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+        """out [N] = x * rsqrt(mean(x^2) + eps) * w."""
+        out.copy_(ref.rms_norm(x, w, eps))
+        return out
+
+    @staticmethod
+    def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
+                   ids_out: torch.Tensor) -> None:
+        """logits [E] -> softmax over all experts, top-k -> weights_out [K] f32, ids_out [K] int32."""
+        w, ids = ref.route(logits[None], k, renormalise)
+        weights_out.copy_(w[0])
+        ids_out.copy_(ids[0])
+
+    @staticmethod
+    def argmax(logits: torch.Tensor, out_id: torch.Tensor) -> None:
+        """logits [V] -> out_id [1] int64 (the first maximum)."""
+        out_id.copy_(logits.argmax().view(1))
+
+    @staticmethod
+    def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
+                           k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, q_out: torch.Tensor, *, eps: float, qk_norm: str,
+                           rope_style: str, rope_dim: int, base: float, scale: float,
+                           freq_factors: torch.Tensor | None) -> None:
+        """Raw projections q [H*D], k [Hkv*D], v [Hkv*Dv] -> QK-norm, RoPE at position pos_t [1] (device),
+        q_out [H, D] f32, and k/v stored in row pos of k_cache [n_ctx, Hkv, D] / v_cache [n_ctx, Hkv, Dv]."""
+        H, D = q_out.shape
+        Hkv = k_cache.shape[1]
+        if qk_norm == "full":
+            q, k = ref.rms_norm(q, q_norm_w, eps), ref.rms_norm(k, k_norm_w, eps)
+        q, k = q.view(1, H, D), k.view(1, Hkv, D)
+        if qk_norm == "head":
+            q, k = ref.rms_norm(q, q_norm_w, eps), ref.rms_norm(k, k_norm_w, eps)
+        cos, sin = ref.rope_angles(pos_t, rope_dim, base, scale, freq_factors)
+        q_out.copy_(ref.apply_rope(q, cos, sin, rope_style)[0])
+        k_cache.index_copy_(0, pos_t.long(), ref.apply_rope(k, cos, sin, rope_style).to(k_cache.dtype))
+        v_cache.index_copy_(0, pos_t.long(), v.view(1, Hkv, -1).to(v_cache.dtype))
+
+    @staticmethod
+    def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos_t: torch.Tensor,
+                         scale: float, window: int, out: torch.Tensor) -> None:
+        """One query q [H, D] at position pos_t [1] over cache rows 0..pos -> out [H, Dv] f32."""
+        out.copy_(ref.attention(q[None], k_cache, v_cache, pos_t, scale, window)[0])
