@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
-from support.device import TEST_DEVICE
+from support.device import ENGINE_KW
 from support.gguf_edit import rewrite
 from support.hf_to_gguf import write_gguf
 from support.tiny_models import TINY
@@ -38,7 +38,7 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _expect(path: Path, error: type[MoerunError], *needles: str) -> str:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     with pytest.raises(error) as info:
-        Engine(path, device=TEST_DEVICE)
+        Engine(path, **ENGINE_KW)
     msg = str(info.value)
     assert path.name in msg
     for needle in needles:
@@ -97,7 +97,7 @@ def test_absurd_metadata(good: Path, tmp_path: Path, key: str, value: object, vt
 
 
 def test_context_overflow_is_an_error(good: Path) -> None:
-    eng = Engine(good, device=TEST_DEVICE, n_ctx=16)
+    eng = Engine(good, **ENGINE_KW, n_ctx=16)
     eng.forward(list(range(10)))
     with pytest.raises(ContextOverflow, match="context size is 16"):
         eng.forward(list(range(7)))
@@ -106,11 +106,11 @@ def test_context_overflow_is_an_error(good: Path) -> None:
     with pytest.raises(ContextOverflow):
         eng.forward([1])
     with pytest.raises(ContextOverflow, match="context length"):
-        Engine(good, device=TEST_DEVICE, n_ctx=10**6)
+        Engine(good, **ENGINE_KW, n_ctx=10**6)
 
 
 def test_bad_tokens_and_positions(good: Path) -> None:
-    eng = Engine(good, device=TEST_DEVICE)
+    eng = Engine(good, **ENGINE_KW)
     with pytest.raises(MoerunError, match="outside the vocabulary"):
         eng.forward([1, 512])
     with pytest.raises(MoerunError, match="at least one token"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.device import TEST_DEVICE
+from support.device import ENGINE_KW
 
 from moerun.engine.engine import Engine
 
@@ -35,7 +35,7 @@ def hf(gemma_file):
 
 @pytest.fixture(scope="module")
 def engine(gemma_file):
-    return Engine(gemma_file, device=TEST_DEVICE)
+    return Engine(gemma_file, **ENGINE_KW)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from support import llamacpp
-from support.device import TEST_DEVICE
+from support.device import ENGINE_KW
 from support.hf_to_gguf import write_gguf
 from support.tiny_models import TINY
 
@@ -52,14 +52,14 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def test_logits_match_transformers(case) -> None:
     arch, qtype, path, ref, tokens, seed = case
-    got = Engine(path, device=TEST_DEVICE).forward(tokens)
+    got = Engine(path, **ENGINE_KW).forward(tokens)
     err = rel_err(got, ref)
     assert err < 1e-4, f"{arch}/{qtype} (seed {seed}): max relative logit error {err:.2e}"
 
 
 def test_greedy_matches_transformers_where_clear(case) -> None:
     arch, qtype, path, ref, tokens, seed = case
-    got = Engine(path, device=TEST_DEVICE).forward(tokens)
+    got = Engine(path, **ENGINE_KW).forward(tokens)
     top2 = ref.topk(2, dim=-1).values  # [T, 2]
     clear = (top2[:, 0] - top2[:, 1]) > 1e-3
     assert clear.sum() >= N_TOKENS // 2, "test model too flat to compare greedy choices"
@@ -68,7 +68,7 @@ def test_greedy_matches_transformers_where_clear(case) -> None:
 
 def test_decode_and_continuation_equal_prefill(case) -> None:
     arch, qtype, path, ref, tokens, seed = case
-    eng = Engine(path, device=TEST_DEVICE)
+    eng = Engine(path, **ENGINE_KW)
     prefill = eng.forward(tokens)
     eng.reset()
     steps = torch.cat([eng.forward(tokens[i: i + 1]) for i in range(N_TOKENS)])  # [T, V]
@@ -90,7 +90,7 @@ def test_logits_match_llamacpp(arch: str, tmp_path: Path) -> None:
     write_gguf(model, path, qtype="f32", seed=seed)
     tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size - 2, N_TOKENS).tolist()
     ref = torch.from_numpy(llamacpp.llamacpp_logits(str(path), tokens))  # [T, V]
-    got = Engine(path, device=TEST_DEVICE).forward(tokens)
+    got = Engine(path, **ENGINE_KW).forward(tokens)
     err = rel_err(got, ref)
     assert err < LLAMACPP_TOL.get(arch, 1e-4), f"{arch} (seed {seed}): max relative error vs llama.cpp {err:.2e}"
 
@@ -100,16 +100,17 @@ def test_bf16_compute_close_to_float32(arch: str, tmp_path: Path) -> None:
     """bf16 compute (bf16 weights and matmul inputs, float32 accumulation and residual stream).
 
     bf16 rounds every matmul input to 8 significant bits (relative 2^-9 each); over these 2-7 layer
-    models with large random weights that gives ~1e-2 at the logits. Dense models: within 3e-2 everywhere. MoE models: a router near-tie can pick another expert in
-    bf16 (a discrete change, then carried along by the KV cache), so the bound holds for the typical
-    position (median) and greedy choices agree on most positions with a clear margin.
+    models with large random weights that gives ~1e-2 at the logits. Dense models: within 3e-2
+    everywhere. MoE models: a router near-tie can pick another expert in bf16 (a discrete change,
+    then carried along by the KV cache), so the bound holds for the typical position (median) and
+    greedy choices agree on most positions with a clear margin.
     """
     model = TINY[arch](0)
     path = tmp_path / "model.gguf"
     write_gguf(model, path, qtype="q8_0")
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size - 2, N_TOKENS).tolist()
-    f32 = Engine(path, device=TEST_DEVICE).forward(tokens).cpu()
-    bf16 = Engine(path, device=TEST_DEVICE, dtype="bf16").forward(tokens).cpu()
+    f32 = Engine(path, **ENGINE_KW).forward(tokens).cpu()
+    bf16 = Engine(path, **ENGINE_KW, dtype="bf16").forward(tokens).cpu()
     assert bf16.dtype == torch.float32  # logits come back in float32 whatever the compute dtype
     per_pos = (bf16 - f32).abs().max(-1).values / f32.abs().max()  # [T]
     if not model.config.to_dict().get("num_local_experts", model.config.to_dict().get("num_experts")):

@@ -5,3 +5,7 @@ from __future__ import annotations
 import os
 
 TEST_DEVICE = os.environ.get("MOERUN_TEST_DEVICE", "cpu")
+
+# Engine arguments for tests that compare against float32 references: a float32 KV cache everywhere
+# (on CUDA the default cache is float16).
+ENGINE_KW: dict = {"device": TEST_DEVICE, "kv_dtype": "float32"}
