@@ -1,0 +1,443 @@
+"""Triton kernels for the non-matmul parts of batch-1 decode: RMSNorm, QK-norm + RoPE + KV store,
+flash-decoding attention, router softmax/top-k (with an optional F32 router matvec) and argmax.
+
+Every wrapper only launches: outputs and scratch are passed in, nothing is allocated or synced, and
+every per-token scalar (position, KV length) is read by the kernel from a 1-element device tensor, so
+the launches can be captured once in a CUDA graph and replayed for every token. No atomics: results
+are bit-identical run to run. All math is float32; caches may be f32, f16 or bf16.
+
+Plain-torch definitions: moerun/kernels/reference.py (rms_norm, rope_angles/apply_rope, attention, route).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels import reference as ref
+
+LOG2E = 1.4426950408889634
+QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
+ROPE_STYLES = {"norm": 0, "neox": 1}
+
+
+def _np2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N, BLOCK: tl.constexpr):
+    """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
+    tl.store(out_ptr + row * N + offs, x * r * w, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384)."""
+    n = x.shape[-1]
+    rows = x.numel() // n
+    block = _np2(n)
+    _rms_norm_kernel[(rows,)](x, w, out, float(eps), n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# QK-norm + RoPE + KV store
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def rope_table(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0,
+               freq_factors: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Precomputed RoPE table for positions 0..n_ctx-1: [n_ctx, 2, rope_dim/2] f32 (cos, sin).
+
+    Built once at load time with reference.rope_angles, so the kernel's angles equal the reference's bit for bit.
+    """
+    pos = torch.arange(n_ctx, device=device)
+    ff = None if freq_factors is None else freq_factors.to(device)
+    cos, sin = ref.rope_angles(pos, rope_dim, base, scale, ff)  # each [n_ctx, R/2]
+    return torch.stack([cos, sin], dim=1).contiguous()
+
+
+@triton.jit
+def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
+                    WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+                    NEOX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FULL: tl.constexpr):
+    """One head [D] at x_ptr, optionally RMS-normed (per head, or over the WIDTH floats at full_ptr; w_ptr already
+    points at this head's D weights), then RoPE'd on its first R dims with cos at cs_ptr[0:R/2], sin at cs_ptr[R/2:R].
+    Returns [BLOCK_D] f32 (lanes >= D are garbage-free zeros)."""
+    HALF: tl.constexpr = R // 2
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rot = d < R
+    if NEOX:
+        lo = d < HALF
+        partner = tl.where(lo, d + HALF, d - HALF)
+        fi = tl.where(lo, d, d - HALF)
+        sign = tl.where(lo, -1.0, 1.0)
+    else:
+        partner = d ^ 1
+        fi = d // 2
+        sign = tl.where((d % 2) == 0, -1.0, 1.0)
+    partner = tl.where(rot, partner, 0)
+    fi = tl.where(rot, fi, 0)
+    x = tl.load(x_ptr + d, mask=dmask, other=0.0)
+    xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
+    if QK_NORM == 1:
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / D + eps)
+        x = x * r * tl.load(w_ptr + d, mask=dmask, other=0.0)
+        xp = xp * r * tl.load(w_ptr + partner, mask=rot, other=0.0)
+    elif QK_NORM == 2:
+        f = tl.arange(0, BLOCK_FULL)
+        xf = tl.load(full_ptr + f, mask=f < WIDTH, other=0.0)
+        r = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 0) / WIDTH + eps)
+        x = x * r * tl.load(w_ptr + d, mask=dmask, other=0.0)
+        xp = xp * r * tl.load(w_ptr + partner, mask=rot, other=0.0)
+    c = tl.load(cs_ptr + fi, mask=rot, other=1.0)
+    s = tl.load(cs_ptr + HALF + fi, mask=rot, other=0.0)
+    return tl.where(rot, x * c + sign * (xp * s), x)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, kc_ptr, vc_ptr, qo_ptr, eps,
+                               kc_sn, kc_sh, vc_sn, vc_sh,
+                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                               R: tl.constexpr, QK_NORM: tl.constexpr, NEOX: tl.constexpr,
+                               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                               BLOCK_FQ: tl.constexpr, BLOCK_FK: tl.constexpr):
+    """Programs 0..H-1: q head -> q_out [H, D] f32. Programs H..H+HKV-1: k head -> k_cache[pos], v head -> v_cache[pos].
+
+    q: [H*D], k: [HKV*D], v: [HKV*DV] f32; cs: [n_ctx, 2, R/2] f32; pos: [1] int; caches [n_ctx, HKV, D|DV].
+    """
+    pid = tl.program_id(0)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cs = cs_ptr + pos * R
+    d = tl.arange(0, BLOCK_D)
+    if pid < H:
+        wq = qw_ptr
+        if QK_NORM == 2:
+            wq = qw_ptr + pid * D
+        y = _norm_rope_head(q_ptr + pid * D, q_ptr, wq, cs, eps, H * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FQ)
+        tl.store(qo_ptr + pid * D + d, y, mask=d < D)
+    else:
+        j = pid - H
+        wk = kw_ptr
+        if QK_NORM == 2:
+            wk = kw_ptr + j * D
+        y = _norm_rope_head(k_ptr + j * D, k_ptr, wk, cs, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FK)
+        kdst = kc_ptr + pos * kc_sn + j * kc_sh
+        tl.store(kdst + d, y.to(kc_ptr.dtype.element_ty), mask=d < D)
+        dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(v_ptr + j * DV + dv, mask=dv < DV, other=0.0)
+        vdst = vc_ptr + pos * vc_sn + j * vc_sh
+        tl.store(vdst + dv, v.to(vc_ptr.dtype.element_ty), mask=dv < DV)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
+                       rope_cs: torch.Tensor, pos_t: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, q_out: torch.Tensor,
+                       eps: float, qk_norm: str = "none", rope_style: str = "neox") -> torch.Tensor:
+    """QK-norm ("none" | "head" | "full") + RoPE of q and k at position pos_t[0]; stores k, v in the caches there.
+
+    q: [H*D] f32, k: [Hkv*D] f32, v: [Hkv*Dv] f32 (raw projections of one token);
+    q_norm_w / k_norm_w: [D] ("head") or [H*D] / [Hkv*D] ("full") f32, unused for "none";
+    rope_cs: [n_ctx, 2, R/2] f32 from rope_table (R = rope_dim <= D, rotating the first R dims);
+    pos_t: [1] int32/int64 device tensor; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16,
+    rows contiguous); q_out: [H, D] f32. One launch of H + Hkv programs. Returns q_out.
+    """
+    h, d = q_out.shape
+    n_ctx, hkv, dk = k_cache.shape
+    dv = v_cache.shape[2]
+    r = 2 * rope_cs.shape[-1]
+    assert dk == d and r <= d and r % 2 == 0 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    norm = QK_NORM_KINDS[qk_norm]
+    qw = q_norm_w if norm else q
+    kw = k_norm_w if norm else k
+    _qk_norm_rope_store_kernel[(h + hkv,)](
+        q, k, v, qw, kw, rope_cs, pos_t, k_cache, v_cache, q_out, float(eps),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        H=h, HKV=hkv, D=d, DV=dv, R=r, QK_NORM=norm, NEOX=ROPE_STYLES[rope_style],
+        BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
+        BLOCK_FQ=_np2(h * d) if norm == 2 else 1, BLOCK_FK=_np2(hkv * d) if norm == 2 else 1,
+        num_warps=4)
+    return q_out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Flash-decoding attention
+# ----------------------------------------------------------------------------------------------------------------------
+
+ATTN_BLOCK_N = 64  # KV positions per loaded tile
+NO_WINDOW = 1 << 30
+
+
+def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
+                     programs_per_sm: int = 4) -> int:
+    """Split policy: KV splits per head, fixed for a context size (so a captured graph's grid never changes).
+
+    Aim for ~programs_per_sm x sm_count programs in all (H x splits), but never more splits than there are
+    block_n-position tiles in the context. The chunk each split covers is computed on the device from the live
+    KV length (ceil(len / splits) rounded up to block_n), so every split has work once len >= splits * block_n.
+    OLMoE on an H200 (H=16, 132 SMs, n_ctx 4096): 33 splits, 528 programs, 128 positions (64 KB of f16 KV) each.
+    """
+    tiles = max(1, -(-n_ctx // block_n))
+    return max(1, min(tiles, -(-programs_per_sm * sm_count // n_head)))
+
+
+def attention_scratch(n_head: int, head_dim_v: int, n_splits: int,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate (once, outside the graph) the partials: m [H, S] f32, l [H, S] f32, acc [H, S, Dv] f32."""
+    return (torch.empty(n_head, n_splits, device=device, dtype=torch.float32),
+            torch.empty(n_head, n_splits, device=device, dtype=torch.float32),
+            torch.empty(n_head, n_splits, head_dim_v, device=device, dtype=torch.float32))
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
+                       k_sn, k_sh, v_sn, v_sh,
+                       G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len).
+
+    q: [H, D] f32; caches [n_ctx, Hkv, D|DV]; len: [1] int. Writes m [H, S] (max of log2-scaled scores),
+    l [H, S] (sum of exp2(score - m)), acc [H, S, DV] (sum of exp2(score - m) * v); empty chunk -> (-inf, 0, 0).
+    """
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    kvh = (h // G).to(tl.int64)
+    kv_len = tl.load(len_ptr).to(tl.int32)
+    start = tl.maximum(kv_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len - start, N_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + sp * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
+    k_base = k_ptr + kvh * k_sh
+    v_base = v_ptr + kvh * v_sh
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    n0 = lo
+    while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        rows = n.to(tl.int64)
+        k = tl.load(k_base + rows[:, None] * k_sn + d[None, :], mask=nmask[:, None] & (d < D)[None, :], other=0.0)
+        s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BLOCK_N]
+        s = tl.where(nmask, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        v = tl.load(v_base + rows[:, None] * v_sn + dv[None, :], mask=nmask[:, None] & (dv < DV)[None, :], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        m_i = m_new
+        n0 += BLOCK_N
+    slot = h * N_SPLITS + sp
+    tl.store(m_ptr + slot, m_i)
+    tl.store(l_ptr + slot, l_i)
+    tl.store(acc_ptr + slot.to(tl.int64) * DV + dv, acc, mask=dv < DV)
+
+
+@triton.jit
+def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Program h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
+
+    m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32.
+    """
+    h = tl.program_id(0)
+    base = h * N_SPLITS
+    s = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    mx = tl.full([BLOCK_S], -float("inf"), tl.float32)
+    for s0 in range(0, N_SPLITS, BLOCK_S):
+        mx = tl.maximum(mx, tl.load(m_ptr + base + s0 + s, mask=s0 + s < N_SPLITS, other=-float("inf")))
+    big_m = tl.max(mx, 0)
+    l_tot = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, N_SPLITS, BLOCK_S):
+        smask = s0 + s < N_SPLITS
+        m = tl.load(m_ptr + base + s0 + s, mask=smask, other=-float("inf"))
+        w = tl.where(smask, tl.exp2(m - big_m), 0.0)
+        l_tot += w * tl.load(l_ptr + base + s0 + s, mask=smask, other=0.0)
+        a = tl.load(acc_ptr + (base + s0 + s)[:, None] * DV + dv[None, :],
+                    mask=smask[:, None] & (dv < DV)[None, :], other=0.0)
+        acc += w[:, None] * a
+    out = tl.sum(acc, 0) / tl.sum(l_tot, 0)
+    tl.store(out_ptr + h * DV + dv, out, mask=dv < DV)
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
+                     scale: float, window: int, out: torch.Tensor,
+                     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     block_n: int = ATTN_BLOCK_N, num_warps: int = 4) -> torch.Tensor:
+    """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
+
+    q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
+    reads kv head h // (H/Hkv)); kv_len_t: [1] int device tensor L (= pos + 1, 1 <= L <= n_ctx);
+    scratch: attention_scratch(H, Dv, S) with S from attention_splits; out: [H, Dv] f32. Two launches:
+    H x S split programs, then H reduce programs. Returns out.
+    """
+    h, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[2]
+    m_s, l_s, acc_s = scratch
+    n_splits = m_s.shape[1]
+    assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and h % hkv == 0
+    _attn_split_kernel[(h, n_splits)](
+        q, k_cache, v_cache, kv_len_t, m_s, l_s, acc_s, float(scale) * LOG2E, int(window) if window > 0 else NO_WINDOW,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
+        num_warps=num_warps)
+    _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, DV=dv, N_SPLITS=n_splits,
+                              BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv), num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Router: softmax + top-k (+ optional F32 router matvec)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def softmax_topk(logits, e, emask, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Device helper (inline it into a consumer kernel): logits [BLOCK_E] f32 (lanes e, valid where emask) ->
+    (weights [BLOCK_K] f32, ids [BLOCK_K] int32), softmax over all experts then the K largest probabilities in
+    descending order, ties to the lower index; lanes >= K hold (0, 0). RENORM divides by the K weights' sum."""
+    x = tl.where(emask, logits, -float("inf"))
+    ex = tl.where(emask, tl.exp(x - tl.max(x, 0)), 0.0)
+    p = ex / tl.sum(ex, 0)
+    p_sel = tl.where(emask, p, -1.0)
+    kk = tl.arange(0, BLOCK_K)
+    wv = tl.zeros([BLOCK_K], dtype=tl.float32)
+    iv = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p_sel, 0)
+        idx = tl.min(tl.where(p_sel == best, e, BLOCK_E), 0)
+        wv = tl.where(kk == j, best, wv)
+        iv = tl.where(kk == j, idx, iv)
+        p_sel = tl.where(e == idx, -2.0, p_sel)
+    if RENORM:
+        wv = wv / tl.sum(wv, 0)
+    return wv, iv
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, w_out_ptr, id_out_ptr, E, K: tl.constexpr, RENORM: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program. logits: [E] f32 -> weights_out [K] f32, ids_out [K] int32."""
+    e = tl.arange(0, BLOCK_E)
+    emask = e < E
+    x = tl.load(logits_ptr + e, mask=emask, other=-float("inf"))
+    wv, iv = softmax_topk(x, e, emask, K, RENORM, BLOCK_E, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
+    tl.store(w_out_ptr + kk, wv, mask=kk < K)
+    tl.store(id_out_ptr + kk, iv, mask=kk < K)
+
+
+def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
+               ids_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all E experts, top-k (descending, ties to the lower index), optional renormalisation.
+
+    logits: [E] f32 (E <= 1024) -> weights_out [k] f32, ids_out [k] int32. One program.
+    """
+    e = logits.shape[-1]
+    _route_topk_kernel[(1,)](logits, weights_out, ids_out, e, K=k, RENORM=bool(renormalise),
+                             BLOCK_E=_np2(e), BLOCK_K=_np2(k), num_warps=4)
+    return weights_out, ids_out
+
+
+@triton.jit
+def _matvec_f32_kernel(x_ptr, w_ptr, out_ptr, N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program p: out[p*BLOCK_R : (p+1)*BLOCK_R] = W[rows] @ x. x: [N] f32, W: [M, N] f32 (M % BLOCK_R == 0)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, N, BLOCK_K):
+        km = k0 + kk < N
+        x = tl.load(x_ptr + k0 + kk, mask=km, other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * N + (k0 + kk)[None, :], mask=km[None, :], other=0.0)
+        acc += w * x[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, 1))
+
+
+def router_logits(x: torch.Tensor, w_router: torch.Tensor, logits_out: torch.Tensor) -> torch.Tensor:
+    """logits_out = W x. x: [N] f32, w_router: [E, N] f32 contiguous -> logits_out [E] f32. One program per expert
+    row (a full row per program: no split-K, so no atomics and a fixed summation order)."""
+    e, n = w_router.shape
+    _matvec_f32_kernel[(e,)](x, w_router, logits_out, N=n, BLOCK_R=1, BLOCK_K=min(_np2(n), 1024), num_warps=4)
+    return logits_out
+
+
+def router_topk(x: torch.Tensor, w_router: torch.Tensor, k: int, renormalise: bool, logits_scratch: torch.Tensor,
+                weights_out: torch.Tensor, ids_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router matvec + softmax/top-k in two launches (E programs for the 0.5-1 MB of F32 weights, then one).
+
+    x: [N] f32, w_router: [E, N] f32, logits_scratch: [E] f32 -> weights_out [k] f32, ids_out [k] int32.
+    """
+    router_logits(x, w_router, logits_scratch)
+    return route_topk(logits_scratch, k, renormalise, weights_out, ids_out)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argmax (greedy sampling)
+# ----------------------------------------------------------------------------------------------------------------------
+
+ARGMAX_CHUNK = 2048
+
+
+def argmax_scratch(vocab: int, device: torch.device | str,
+                   chunk: int = ARGMAX_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk partials for argmax: values [P] f32, indices [P] int32, P = ceil(V / chunk)."""
+    p = -(-vocab // chunk)
+    return (torch.empty(p, device=device, dtype=torch.float32), torch.empty(p, device=device, dtype=torch.int32))
+
+
+@triton.jit
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr):
+    """Program p: (max, first index of it) of x[p*CHUNK : (p+1)*CHUNK]. x: [V] f32 -> val [P] f32, idx [P] int32."""
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + offs, mask=offs < V, other=-float("inf"))
+    m = tl.max(x, 0)
+    i = tl.min(tl.where((x == m) & (offs < V), offs, 2147483647), 0)
+    tl.store(val_ptr + pid, m)
+    tl.store(idx_ptr + pid, i)
+
+
+@triton.jit
+def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, P, BLOCK_P: tl.constexpr):
+    """One program: the first chunk holding the global max gives the index. val, idx: [P] -> out [1] int64."""
+    p = tl.arange(0, BLOCK_P)
+    v = tl.load(val_ptr + p, mask=p < P, other=-float("inf"))
+    m = tl.max(v, 0)
+    first = tl.min(tl.where((v == m) & (p < P), p, BLOCK_P), 0)
+    tl.store(out_ptr, tl.load(idx_ptr + first).to(tl.int64))
+
+
+def argmax(logits: torch.Tensor, out_id: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor],
+           chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """First index of the maximum. logits: [V] f32 -> out_id [1] int64 (device); scratch from argmax_scratch.
+
+    Two launches: ceil(V / chunk) chunk programs, then one reduce program. (NaN logits are not handled.)
+    """
+    v = logits.shape[-1]
+    vals, idx = scratch
+    p = vals.shape[0]
+    _argmax_chunk_kernel[(p,)](logits, vals, idx, v, CHUNK=chunk, num_warps=8)
+    _argmax_reduce_kernel[(1,)](vals, idx, out_id, p, BLOCK_P=_np2(p), num_warps=4)
+    return out_id

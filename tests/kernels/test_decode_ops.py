@@ -1,0 +1,193 @@
+"""Decode kernels (moerun/kernels/triton/decode_ops.py) vs the plain-torch reference on fresh random inputs.
+
+Runs on CUDA when available, else on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported). Every output and scratch buffer is poisoned with NaN first; the seed is printed (shown on failure).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from moerun.kernels import reference as ref  # noqa: E402
+from moerun.kernels.triton import decode_ops as ops  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RTOL = 1e-5
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = int.from_bytes(os.urandom(8), "little") % (1 << 63)
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(DEV)
+
+
+def nan(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEV, dtype=dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
+    """Relative error against the reference's scale (elementwise rtol plus a tiny absolute floor)."""
+    atol = rtol * float(want.abs().max()) * 1e-1 + 1e-30
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 37, 2048, 8192])
+def test_rms_norm(gen: torch.Generator, n: int) -> None:
+    x, w = randn(gen, n, scale=3.0), randn(gen, n)
+    out = nan(n)
+    ops.rms_norm(x, w, 1e-6, out)
+    close(out, ref.rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_rows(gen: torch.Generator) -> None:
+    x, w = randn(gen, 5, 129), randn(gen, 129)
+    out = nan(5, 129)
+    ops.rms_norm(x, w, 1e-5, out)
+    close(out, ref.rms_norm(x, w, 1e-5))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_rope_table_matches_reference(gen: torch.Generator) -> None:
+    ff = (torch.rand(8, generator=gen) * 4 + 0.5).to(DEV)
+    table = ops.rope_table(96, 16, 10000.0, 4.0, ff, device=DEV)  # [96, 2, 8]
+    pos = torch.tensor([0, 5, 95], device=DEV)
+    cos, sin = ref.rope_angles(pos, 16, 10000.0, 4.0, ff)
+    assert torch.equal(table[pos, 0], cos) and torch.equal(table[pos, 1], sin)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rope_style", ["neox", "norm"])
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
+@pytest.mark.parametrize("h,hkv,d,dv,rope_dim", [(3, 1, 16, 16, 8), (3, 3, 32, 32, 32), (4, 2, 32, 16, 24)])
+def test_qk_norm_rope_store(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, rope_dim: int, qk_norm: str,
+                            rope_style: str, cache_dtype: torch.dtype) -> None:
+    n_ctx, eps = 96, 1e-6
+    pos = int(torch.randint(0, n_ctx, (1,), generator=gen))
+    q, k, v = randn(gen, h * d), randn(gen, hkv * d), randn(gen, hkv * dv)
+    width = {"none": (d, d), "head": (d, d), "full": (h * d, hkv * d)}[qk_norm]
+    qw, kw = randn(gen, width[0]), randn(gen, width[1])
+    ff = (torch.rand(rope_dim // 2, generator=gen) + 0.5).to(DEV)
+    table = ops.rope_table(n_ctx, rope_dim, 1000.0, 2.0, ff, device=DEV)
+    k_cache, v_cache = nan(n_ctx, hkv, d, dtype=cache_dtype), nan(n_ctx, hkv, dv, dtype=cache_dtype)
+    q_out = nan(h, d)
+    pos_t = torch.tensor([pos], device=DEV, dtype=torch.int32)
+    ops.qk_norm_rope_store(q, k, v, qw, kw, table, pos_t, k_cache, v_cache, q_out, eps, qk_norm, rope_style)
+
+    # the reference, as in models/transformer.py
+    qr, kr = q[None], k[None]
+    if qk_norm == "full":
+        qr, kr = ref.rms_norm(qr, qw, eps), ref.rms_norm(kr, kw, eps)
+    qr, kr = qr.view(1, h, d), kr.view(1, hkv, d)
+    if qk_norm == "head":
+        qr, kr = ref.rms_norm(qr, qw, eps), ref.rms_norm(kr, kw, eps)
+    cos, sin = ref.rope_angles(torch.tensor([pos], device=DEV), rope_dim, 1000.0, 2.0, ff)
+    qr, kr = ref.apply_rope(qr, cos, sin, rope_style)[0], ref.apply_rope(kr, cos, sin, rope_style)[0]
+    close(q_out, qr)
+    ctol = RTOL if cache_dtype == torch.float32 else 1e-3
+    close(k_cache[pos], kr.to(cache_dtype), ctol)
+    assert torch.equal(v_cache[pos], v.view(hkv, dv).to(cache_dtype))
+    others = torch.arange(n_ctx, device=DEV) != pos
+    assert k_cache[others].isnan().all() and v_cache[others].isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("kv_len", [1, 17, 70])
+@pytest.mark.parametrize("h,hkv,d,dv,n_splits", [(3, 1, 16, 16, 4), (3, 3, 32, 32, 7), (4, 2, 32, 16, 1)])
+def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int, kv_len: int,
+                          window: int, cache_dtype: torch.dtype) -> None:
+    n_ctx, scale = 96, d ** -0.5
+    q = randn(gen, h, d, scale=2.0)
+    k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
+    v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
+    want = ref.attention(q[None], k_cache[:kv_len], v_cache[:kv_len], torch.tensor([kv_len - 1], device=DEV),
+                         scale, window)[0]  # [H, Dv]
+    start = max(0, kv_len - window) if window else 0
+    k_cache[:start], k_cache[kv_len:] = float("nan"), float("nan")  # never read
+    v_cache[:start], v_cache[kv_len:] = float("nan"), float("nan")
+    scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
+    out = nan(h, dv)
+    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
+    ops.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16)
+    close(out, want)
+
+
+def test_attention_splits_policy() -> None:
+    assert ops.attention_splits(4096, 16, 132) == 33  # 528 programs of 128 positions
+    assert ops.attention_splits(96, 16, 132, block_n=64) == 2  # never more splits than tiles
+    assert ops.attention_splits(1, 64, 132) == 1
+    assert ops.attention_splits(131072, 32, 132) == 17
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def lowest_index_topk(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k ids, ties to the lower index (torch.topk on CPU does not promise any tie order)."""
+    return torch.sort(probs, descending=True, stable=True).indices[:k]
+
+
+@pytest.mark.parametrize("renormalise", [False, True])
+@pytest.mark.parametrize("e,k,ties", [(7, 3, True), (7, 3, False), (64, 8, True), (256, 16, False), (128, 1, True)])
+def test_route_topk(gen: torch.Generator, e: int, k: int, ties: bool, renormalise: bool) -> None:
+    logits = randn(gen, e, scale=2.0)
+    if ties:  # repeated values, including a tie straddling the k-th place
+        logits = torch.round(logits * 2) / 2
+        top = torch.sort(logits, descending=True).values
+        logits[logits == top[k]] = top[k - 1]
+    w_out, id_out = nan(k), torch.full((k,), -1, device=DEV, dtype=torch.int32)
+    ops.route_topk(logits, k, renormalise, w_out, id_out)
+    w_ref, _ = ref.route(logits[None], k, renormalise)
+    close(w_out, w_ref[0])
+    assert torch.equal(id_out.long(), lowest_index_topk(logits.softmax(-1), k))
+
+
+@pytest.mark.parametrize("e,n,k", [(7, 37, 3), (64, 300, 8)])
+def test_router_topk(gen: torch.Generator, e: int, n: int, k: int) -> None:
+    x, w = randn(gen, n), randn(gen, e, n, scale=0.1)
+    logits, w_out, id_out = nan(e), nan(k), torch.full((k,), -1, device=DEV, dtype=torch.int32)
+    ops.router_topk(x, w, k, True, logits, w_out, id_out)
+    want_logits = (x[None] @ w.T)[0]
+    close(logits, want_logits)
+    w_ref, id_ref = ref.route(want_logits[None], k, True)
+    close(w_out, w_ref[0])
+    assert torch.equal(id_out.long(), id_ref[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", [1, 5000, 50304, 262144])
+def test_argmax(gen: torch.Generator, v: int) -> None:
+    logits = randn(gen, v)
+    scratch = tuple(t.fill_(-1) for t in ops.argmax_scratch(v, DEV))
+    out = torch.full((1,), -1, device=DEV, dtype=torch.int64)
+    for _ in range(2):  # a repeated maximum: the first one wins, also across chunks
+        ops.argmax(logits, out, scratch)
+        assert int(out) == int(torch.argmax(logits))
+        idx = torch.randint(0, v, (3,), generator=gen).to(DEV)
+        logits[idx] = float(logits.max()) + 1.0
+        first = int(idx.min())
+        ops.argmax(logits, out, scratch)
+        assert int(out) == first
+        logits[idx] = 0.0
