@@ -490,9 +490,8 @@ class Tokenizer:
         return token_id in self.eog_ids
 
     def decode_bytes(self, ids: Iterable[int], *, special: bool = False) -> bytes:
-        """The bytes of `ids` joined; the first piece loses one leading space if the file adds one."""
-        out = b"".join(self.token_to_piece(i, special=special) for i in ids)
-        return out
+        """The bytes of `ids` joined (CONTROL tokens empty unless `special`), nothing removed."""
+        return b"".join(self.token_to_piece(i, special=special) for i in ids)
 
     def decode(self, ids: Iterable[int], *, special: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD). CONTROL tokens are left out unless `special`.
