@@ -1,0 +1,285 @@
+"""Fused quantized matrix-vector kernels for batch-1 decode (Triton).
+
+Weights stay in their GGUF bytes: uint8 `[M, row_bytes]` for a matrix, `[E, M, row_bytes]` for stacked
+experts; row r holds K / block_size consecutive blocks exactly as in the file. Activations are float32.
+
+- `qmatvec`      out[M] = W[M, K] @ x[K] (+ residual[M]); out may alias residual.
+- `moe_gate_up`  out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for the n_sel selected experts.
+- `moe_down`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]); out may alias residual.
+
+One program computes BLOCK_M rows (for gate/up: of one selected expert) and loops over K, NB blocks per
+step, decoding the raw block bytes with integer ops (qblocks.py) and accumulating in float32. No atomics:
+every sum has a fixed order, so results are bit-identical run to run. Expert ids are read inside the
+kernels (never on the host). The wrappers only pick a tile (cached per shape) and launch: no allocation,
+no host sync, so they can be captured in a CUDA graph.
+
+Tile sizes: `TILES` overrides the heuristic `default_tile` per (kind, qtype, M, K); see default_tile.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.triton.qblocks import row_dot, step
+
+# GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
+GEOMETRY: dict[int, tuple[int, int, torch.dtype | None]] = {
+    0: (1, 4, torch.float32),  # F32
+    1: (1, 2, torch.float16),  # F16
+    30: (1, 2, torch.bfloat16),  # BF16
+    8: (32, 34, None),  # Q8_0
+    2: (32, 18, None),  # Q4_0
+    6: (32, 22, None),  # Q5_0
+    12: (256, 144, None),  # Q4_K
+    13: (256, 176, None),  # Q5_K
+    14: (256, 210, None),  # Q6_K
+}
+SUPPORTED: frozenset[int] = frozenset(GEOMETRY)
+
+ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu_tanh": 1}
+
+
+class Tile(NamedTuple):
+    """Launch shape: rows per program, blocks per K-step, warps, software-pipelining stages."""
+
+    block_m: int
+    nb: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+# Tuned overrides, keyed by (kind, qtype, M, K) with kind in {"mv", "gate_up", "down"}; M = output rows
+# (F for gate_up, N for down), K = input length. Filled from benchmarks/bench_qmatvec.py --sweep.
+TILES: dict[tuple[str, int, int, int], Tile] = {}
+
+# Heuristic knobs (see default_tile).
+PROGRAMS_PER_SM = 4  # aim for at least this many programs per SM
+MAX_BLOCK_M = 32
+WEIGHTS_PER_STEP = 4096  # weights decoded per program per K-step (all matrices of the program together)
+WEIGHTS_PER_THREAD = 32  # -> num_warps = weights per step / (32 * this), clamped to [2, 8]
+
+_SM_COUNT: dict[int, int] = {}
+_TILE_CACHE: dict[tuple[str, int, int, int, int, str], Tile] = {}
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 for the CPU interpreter (few, big programs)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_tile(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torch.device) -> Tile:
+    """Heuristic tile for `kind` ("mv" | "gate_up" | "down") of an [m, k] matrix of `qtype`.
+
+    BLOCK_M: the largest power of two (<= MAX_BLOCK_M) that still gives >= PROGRAMS_PER_SM programs per
+    SM (gate/up has n_sel row groups per row block; down loops over the experts inside a program, so
+    its grid is m / BLOCK_M). NB: enough blocks per step for ~WEIGHTS_PER_STEP weights per program
+    (gate/up decodes two matrices per step), capped at the whole row. num_warps follows the step size.
+    """
+    bs = GEOMETRY[qtype][0]
+    n_blocks = k // bs
+    rows = m * (n_sel if kind == "gate_up" else 1)
+    bm = min(MAX_BLOCK_M, _pow2_floor(rows // (PROGRAMS_PER_SM * sm_count(device))))
+    bm = min(bm, triton.next_power_of_2(m))
+    mats = 2 if kind == "gate_up" else 1
+    nb = _pow2_floor(max(1, WEIGHTS_PER_STEP // (bm * bs * mats)))
+    nb = min(nb, triton.next_power_of_2(n_blocks))
+    warps = max(2, min(8, _pow2_floor(bm * nb * bs * mats // (32 * WEIGHTS_PER_THREAD))))
+    return Tile(bm, nb, warps, 1)
+
+
+def tile_for(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torch.device) -> Tile:
+    """`TILES[(kind, qtype, m, k)]` if tuned, else `default_tile` (cached)."""
+    key = (kind, qtype, m, k, n_sel, str(device))
+    tile = _TILE_CACHE.get(key)
+    if tile is None:
+        tile = TILES.get((kind, qtype, m, k)) or default_tile(kind, qtype, m, k, n_sel, device)
+        _TILE_CACHE[key] = tile
+    return tile
+
+
+def _typed(w: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Raw row bytes, or for F32/F16/BF16 the same bytes viewed as that dtype (a free view)."""
+    view = GEOMETRY[qtype][2]
+    return w if view is None else w.view(view)
+
+
+def _check(qtype: int) -> None:
+    if qtype not in GEOMETRY:
+        raise NotImplementedError(f"no fused matvec kernel for GGML type {qtype} (supported: {sorted(SUPPORTED)})")
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _qmatvec_kernel(
+    w_ptr, x_ptr, res_ptr, out_ptr, M, stride_m,
+    N_BLOCKS: tl.constexpr, QTYPE: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+):
+    """Grid (cdiv(M, BM),). w: [M, row] bytes (or typed floats), x: [K] f32, res/out: [M] f32."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)  # [BM]
+    rmask = rows < M
+    wrow = w_ptr + rows.to(tl.int64) * stride_m
+    acc = row_dot(wrow, rmask, x_ptr, N_BLOCKS, QTYPE, BM, NB)
+    if HAS_RES:
+        acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
+    tl.store(out_ptr + rows, acc, mask=rmask)
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    """silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))."""
+    if ACT == 0:
+        z = g
+    else:
+        z = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+    return g / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um, stride_out,
+    NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
+    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr,
+):
+    """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]."""
+    sel = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < F
+    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    r64 = rows.to(tl.int64)
+    wg = wg_ptr + eid * stride_ge + r64 * stride_gm
+    wu = wu_ptr + eid * stride_ue + r64 * stride_um
+    if QG == QU and NBG == NBU:  # one loop: both matrices' bytes in flight each step
+        g = tl.zeros([BM], dtype=tl.float32)
+        u = tl.zeros([BM], dtype=tl.float32)
+        for kb in range(0, NBLK_G, NBG):
+            g += step(wg, rmask, kb, NBLK_G, x_ptr, QG, BM, NBG)
+            u += step(wu, rmask, kb, NBLK_U, x_ptr, QU, BM, NBU)
+    else:
+        g = row_dot(wg, rmask, x_ptr, NBLK_G, QG, BM, NBG)
+        u = row_dot(wu, rmask, x_ptr, NBLK_U, QU, BM, NBU)
+    tl.store(out_ptr + sel * stride_out + rows, _act(g, ACT) * u, mask=rmask)
+
+
+@triton.jit
+def _moe_down_kernel(
+    w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
+    N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+):
+    """Grid (cdiv(N, BM),). w: [E, N, row] bytes, h: [n_sel, F] f32, ids/wts: [n_sel], res/out: [N] f32.
+
+    Experts are summed inside the program in order i = 0 .. n_sel-1 (deterministic, no atomics).
+    """
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < N
+    r64 = rows.to(tl.int64) * stride_m
+    acc = tl.zeros([BM], dtype=tl.float32)
+    for i in range(N_SEL):
+        eid = tl.load(ids_ptr + i).to(tl.int64)
+        part = row_dot(w_ptr + eid * stride_e + r64, rmask, h_ptr + i * stride_h, N_BLOCKS, QTYPE, BM, NB)
+        acc += tl.load(wts_ptr + i) * part
+    acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
+    tl.store(out_ptr + rows, acc, mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+
+
+def qmatvec(
+    w: torch.Tensor,
+    qtype: int,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    *,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """out[M] = W[M, K] @ x[K] (+ residual[M]), W dequantized on the fly from its GGUF bytes.
+
+    w: uint8 [M, row_bytes] (rows contiguous), x: float32 [K] contiguous, out/residual: float32 [M]
+    (out may be residual). qtype: GGML type id in SUPPORTED. Returns out.
+    """
+    _check(qtype)
+    m, k = w.shape[0], x.shape[0]
+    t = tile or tile_for("mv", qtype, m, k, 1, w.device)
+    wt = _typed(w, qtype)
+    _qmatvec_kernel[(triton.cdiv(m, t.block_m),)](
+        wt, x, out if residual is None else residual, out, m, wt.stride(0),
+        N_BLOCKS=k // GEOMETRY[qtype][0], QTYPE=qtype, HAS_RES=residual is not None, BM=t.block_m, NB=t.nb,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+def moe_gate_up(
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    qtype_gate: int,
+    qtype_up: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    act: str = "silu",
+    *,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
+
+    w_gate/w_up: uint8 [E, F, row_bytes]; x: float32 [K]; ids: int32/int64 [n_sel] on the device (read by
+    the kernel); out: float32 [n_sel, F] (rows contiguous). act: "silu" | "gelu_tanh". Returns out.
+    """
+    _check(qtype_gate)
+    _check(qtype_up)
+    f, k, n_sel = w_gate.shape[1], x.shape[0], ids.shape[0]
+    t = tile or tile_for("gate_up", qtype_gate, f, k, n_sel, w_gate.device)
+    nb_u = t.nb * GEOMETRY[qtype_gate][0] // GEOMETRY[qtype_up][0] if qtype_up != qtype_gate else t.nb
+    wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
+    _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
+        wg, wu, x, ids, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
+        NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u),
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+def moe_down(
+    w_down: torch.Tensor,
+    qtype: int,
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), summed in order i = 0..n_sel-1.
+
+    w_down: uint8 [E, N, row_bytes]; h: float32 [n_sel, F] (rows contiguous); ids: int32/int64 [n_sel];
+    weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). Returns out.
+    """
+    _check(qtype)
+    n, f, n_sel = w_down.shape[1], h.shape[1], h.shape[0]
+    t = tile or tile_for("down", qtype, n, f, n_sel, w_down.device)
+    wt = _typed(w_down, qtype)
+    _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
+        wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
+        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out

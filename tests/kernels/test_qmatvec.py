@@ -1,0 +1,153 @@
+"""Fused quantized matvec kernels vs `dequantize(...) @ x` in float64, on fresh random valid blocks.
+
+Runs on CUDA when available, else on the CPU through Triton's interpreter (TRITON_INTERPRET=1 must be
+set before triton is imported, hence the environment line above the imports).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, Tile, moe_down, moe_gate_up, qmatvec  # noqa: E402
+from moerun.quant import dequantize, random_blocks  # noqa: E402
+
+# silu / gelu_tanh divide by 1 + exp(-z): exp overflows to inf for very negative inputs (exactly right)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q4_0, T.Q5_0, T.F16, T.BF16, T.F32]
+TOL = 1e-5  # relative to sum |w| |x|: float32 accumulation
+SB = 256  # K is a whole number of 256-weight super-blocks (valid for every type)
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def rng() -> tuple[np.random.Generator, int]:
+    seed = int.from_bytes(os.urandom(8), "little")
+    return np.random.default_rng(seed), seed
+
+
+def _small_tile(qtype: int) -> Tile:
+    """Few rows, a K-step of 512 weights: several programs and a masked tail for K = 3 super-blocks."""
+    return Tile(block_m=4, nb=512 // GEOMETRY[qtype][0], num_warps=4)
+
+
+def _weights(qtype: int, lead: tuple[int, ...], k: int, rng: np.random.Generator, device: torch.device):
+    """Random raw bytes uint8 [*lead, row_bytes] and their float64 values [*lead, k]."""
+    bs, ts, _ = GEOMETRY[qtype]
+    n_rows = int(np.prod(lead))
+    raw = torch.from_numpy(random_blocks(qtype, n_rows * k // bs, rng, scale=0.5)).reshape(*lead, k // bs * ts)
+    dense = dequantize(raw, qtype, (*lead, k)).double()
+    return raw.to(device), dense
+
+
+def _vec(rng: np.random.Generator, *shape: int) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, seed: int, what: str) -> None:
+    out = out.cpu().double()
+    assert not out.isnan().any(), f"{what}: NaN in output (seed {seed})"
+    err = (out - ref).abs()
+    worst = (err / (bound + 1e-30)).max().item()
+    assert (err <= TOL * bound + 1e-30).all(), f"{what}: error {worst:.3g} x sum|w||x| (seed {seed})"
+
+
+def test_supported() -> None:
+    assert SUPPORTED == frozenset(int(t) for t in TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "m,n_sb,small,res",
+    [(1, 1, False, False), (3, 2, False, True), (130, 1, False, True), (37, 3, True, True)],
+)
+def test_qmatvec(qtype, m, n_sb, small, res, device, rng) -> None:
+    gen, seed = rng
+    k = n_sb * SB
+    raw, dense = _weights(qtype, (m,), k, gen, device)
+    x = _vec(gen, k)
+    ref = dense @ x.double()
+    bound = dense.abs() @ x.double().abs()
+    out = torch.full((m,), float("nan"), device=device)
+    residual = None
+    if res:  # out aliases residual
+        r = _vec(gen, m)
+        out.copy_(r.to(device))
+        residual = out
+        ref, bound = ref + r.double(), bound + r.double().abs()
+    tile = _small_tile(qtype) if small else None
+    got = qmatvec(raw, int(qtype), x.to(device), out, residual, tile=tile)
+    assert got is out
+    _check(out, ref, bound, seed, f"{qtype.name} M={m} K={k} tile={tile}")
+
+
+@pytest.mark.parametrize(
+    "qg,qu", [(q, q) for q in TYPES] + [(T.Q4_K, T.Q8_0), (T.Q6_K, T.F16)], ids=lambda t: t.name
+)
+def test_moe_gate_up(qg, qu, device, rng) -> None:
+    gen, seed = rng
+    e, f, k = 5, 37, 2 * SB
+    wg, dg = _weights(qg, (e, f), k, gen, device)
+    wu, du = _weights(qu, (e, f), k, gen, device)
+    x = _vec(gen, k)
+    xd = x.double()
+    for ids_list, act, dtype, small in [([4, 1, 4], "silu", torch.int64, False), ([2], "gelu_tanh", torch.int32, True)]:
+        ids = torch.tensor(ids_list, dtype=dtype)
+        g, u = dg[ids] @ xd, du[ids] @ xd  # [n_sel, F]
+        gb, ub = dg[ids].abs() @ xd.abs(), du[ids].abs() @ xd.abs()
+        a = ACTIVATIONS[act](g)
+        ref = a * u
+        bound = 1.2 * gb * u.abs() + a.abs() * ub  # |act'| <= 1.13 for silu and gelu_tanh
+        out = torch.full((len(ids_list), f), float("nan"), device=device)
+        tile = Tile(4, 2 * SB // GEOMETRY[qg][0] // 2, 4) if small else None
+        moe_gate_up(wg, wu, int(qg), int(qu), x.to(device), ids.to(device), out, act, tile=tile)
+        _check(out, ref, bound, seed, f"gate_up {qg.name}/{qu.name} ids={ids_list} {act} tile={tile}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_moe_down(qtype, device, rng) -> None:
+    gen, seed = rng
+    e, n, f = 5, 37, 3 * SB
+    w, dw = _weights(qtype, (e, n), f, gen, device)
+    for ids_list, dtype, small in [([3, 0, 3], torch.int32, False), ([1], torch.int64, True)]:
+        n_sel = len(ids_list)
+        ids = torch.tensor(ids_list, dtype=dtype)
+        h = _vec(gen, n_sel, f)
+        wts = torch.from_numpy(gen.uniform(0.05, 1.0, n_sel).astype(np.float32))
+        r = _vec(gen, n)
+        parts = torch.einsum("snf,sf->sn", dw[ids], h.double())  # [n_sel, N]
+        bounds = torch.einsum("snf,sf->sn", dw[ids].abs(), h.double().abs())
+        ref = r.double() + (wts.double()[:, None] * parts).sum(0)
+        bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
+        out = r.to(device)  # out aliases residual
+        tile = _small_tile(qtype) if small else None
+        moe_down(w, int(qtype), h.to(device), ids.to(device), wts.to(device), out, out, tile=tile)
+        _check(out, ref, bound, seed, f"down {qtype.name} ids={ids_list} tile={tile}")
+
+
+def test_deterministic(device, rng) -> None:
+    gen, _ = rng
+    raw, _ = _weights(T.Q4_K, (130,), 2 * SB, gen, device)
+    x = _vec(gen, 2 * SB).to(device)
+    a = qmatvec(raw, int(T.Q4_K), x, torch.empty(130, device=device))
+    b = qmatvec(raw, int(T.Q4_K), x, torch.empty(130, device=device))
+    assert torch.equal(a, b)
+
+
+def test_unsupported(device) -> None:
+    with pytest.raises(NotImplementedError, match="GGML type 10"):
+        qmatvec(torch.zeros(1, 84, dtype=torch.uint8), 10, torch.zeros(256), torch.zeros(1))
