@@ -284,26 +284,30 @@ def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, DV: tl.constexpr, N_SPLI
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                      scale: float, window: int, out: torch.Tensor,
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     block_n: int = ATTN_BLOCK_N, num_warps: int = 4) -> torch.Tensor:
+                     block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
+                     split: bool = True, reduce: bool = True) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
     reads kv head h // (H/Hkv)); kv_len_t: [1] int device tensor L (= pos + 1, 1 <= L <= n_ctx);
     scratch: attention_scratch(H, Dv, S) with S from attention_splits; out: [H, Dv] f32. Two launches:
-    H x S split programs, then H reduce programs. Returns out.
+    H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). Returns out.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     m_s, l_s, acc_s = scratch
     n_splits = m_s.shape[1]
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and h % hkv == 0
-    _attn_split_kernel[(h, n_splits)](
-        q, k_cache, v_cache, kv_len_t, m_s, l_s, acc_s, float(scale) * LOG2E, int(window) if window > 0 else NO_WINDOW,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-        num_warps=num_warps)
-    _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, DV=dv, N_SPLITS=n_splits,
-                              BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv), num_warps=4)
+    if split:
+        _attn_split_kernel[(h, n_splits)](
+            q, k_cache, v_cache, kv_len_t, m_s, l_s, acc_s, float(scale) * LOG2E,
+            int(window) if window > 0 else NO_WINDOW,
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
+            num_warps=num_warps)
+    if reduce:
+        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, DV=dv, N_SPLITS=n_splits,
+                                  BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv), num_warps=4)
     return out
 
 

@@ -1,0 +1,163 @@
+"""GPU micro-benchmark of the non-matmul decode kernels (moerun/kernels/triton/decode_ops.py).
+
+    python benchmarks/bench_decode_ops.py [--json benchmarks/results/decode_ops-<gpu>.json]
+
+Every time is measured inside a CUDA graph (how the engine runs them): REPS launches captured once, the graph
+replayed ITERS times, median per launch. Attention uses one cache pair per layer (16 layers, OLMoE-1B-7B shape:
+16 heads, no GQA, D=128, n_ctx 4096) and cycles through them, so the KV bytes come from HBM, not from L2.
+Achieved GB/s counts the K and V bytes one layer must read (kv_len x Hkv x (D + Dv) x element size), compared with
+a device-to-device copy measured in the same run (read + write bytes / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from collections.abc import Callable
+
+import torch
+
+from moerun.kernels import reference as ref
+from moerun.kernels.triton import decode_ops as ops
+
+H, HKV, D, N_CTX, LAYERS = 16, 16, 128, 4096, 16
+
+
+def graph_us(fns: list[Callable[[], object]], iters: int = 30) -> float:
+    """Median microseconds per launch of `fns` (called in order, captured in one CUDA graph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns[:3]:  # compile + warm up outside the graph
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy: (read + write bytes) / time, in GB/s."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = graph_us([lambda: b.copy_(a)] * 5, iters=10)
+    return 2 * nbytes / us / 1e3
+
+
+def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
+                    block_n: int = ops.ATTN_BLOCK_N, num_warps: int = 4, programs_per_sm: int = 4,
+                    tag: str = "") -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
+    vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
+    q = torch.randn(H, D, device="cuda", generator=g)
+    out = torch.empty(H, D, device="cuda")
+    n_splits = ops.attention_splits(N_CTX, H, sm, block_n, programs_per_sm)
+    scratch = ops.attention_scratch(H, D, n_splits, "cuda")
+    scale = D ** -0.5
+    for L in kv_lens:
+        kv_len_t = torch.tensor([L], device="cuda", dtype=torch.int32)
+
+        def call(i: int, split: bool = True, reduce: bool = True, kv_len_t: torch.Tensor = kv_len_t) -> None:
+            ops.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce)
+
+        call(0)
+        want = ref.attention(q[None], ks[0][:L], vs[0][:L], torch.tensor([L - 1], device="cuda"), scale)[0]
+        err = float((out - want).abs().max() / want.abs().max())
+        t_all = graph_us([lambda i=i: call(i) for i in range(LAYERS)])
+        t_split = graph_us([lambda i=i: call(i, reduce=False) for i in range(LAYERS)])
+        t_red = graph_us([lambda i=i: call(i, split=False) for i in range(LAYERS)])
+        kv_bytes = L * HKV * 2 * D * ks[0].element_size()
+        gbs = kv_bytes / t_all / 1e3
+        rows.append(dict(kernel=f"attention{tag}", dtype=str(dtype).removeprefix("torch."), kv_len=L,
+                         splits=n_splits, block_n=block_n, num_warps=num_warps, us=t_all, split_us=t_split,
+                         reduce_us=t_red, kv_mb=kv_bytes / 1e6, gbs=gbs, pct_copy_bw=100 * gbs / bw, max_rel_err=err))
+        print(f"| attention{tag} | {rows[-1]['dtype']} | {L:5d} | {n_splits:3d} x {block_n:3d}/{num_warps}w "
+              f"| {t_all:7.2f} "
+              f"| {t_split:7.2f} | {t_red:6.2f} | {kv_bytes / 1e6:6.2f} | {gbs:7.0f} | {100 * gbs / bw:5.1f}% "
+              f"| {err:.1e} |", flush=True)
+
+
+def bench_small(rows: list[dict]) -> None:
+    dev = "cuda"
+    f32 = dict(device=dev, dtype=torch.float32)
+    cases: list[tuple[str, Callable[[], object]]] = []
+    for n in (2048, 8192):
+        x, w, o = torch.randn(n, **f32), torch.randn(n, **f32), torch.empty(n, **f32)
+        cases.append((f"rms_norm N={n}", lambda x=x, w=w, o=o: ops.rms_norm(x, w, 1e-6, o)))
+    table = ops.rope_table(N_CTX, D, 10000.0, device=dev)
+    pos_t = torch.tensor([1000], device=dev, dtype=torch.int32)
+    kc, vc = torch.zeros(N_CTX, HKV, D, device=dev, dtype=torch.float16), torch.zeros(N_CTX, HKV, D, device=dev,
+                                                                                      dtype=torch.float16)
+    q, k, v = torch.randn(H * D, **f32), torch.randn(HKV * D, **f32), torch.randn(HKV * D, **f32)
+    qo = torch.empty(H, D, **f32)
+    for norm in ("none", "head", "full"):
+        qw = torch.randn(H * D if norm == "full" else D, **f32)
+        kw = torch.randn(HKV * D if norm == "full" else D, **f32)
+        cases.append((f"qk_norm_rope_store {norm} neox f16 H=16 D=128",
+                      lambda qw=qw, kw=kw, norm=norm: ops.qk_norm_rope_store(q, k, v, qw, kw, table, pos_t, kc, vc,
+                                                                              qo, 1e-6, norm, "neox")))
+    for e, kk in ((64, 8), (128, 8), (256, 16)):
+        lg, wo, io = torch.randn(e, **f32), torch.empty(kk, **f32), torch.empty(kk, device=dev, dtype=torch.int32)
+        cases.append((f"route_topk E={e} k={kk}", lambda lg=lg, wo=wo, io=io, kk=kk: ops.route_topk(lg, kk, True, wo,
+                                                                                                     io)))
+        x, wr = torch.randn(2048, **f32), torch.randn(e, 2048, **f32)
+        cases.append((f"router_logits E={e} N=2048", lambda x=x, wr=wr, lg=lg: ops.router_logits(x, wr, lg)))
+        cases.append((f"router_topk E={e} N=2048 k={kk}",
+                      lambda x=x, wr=wr, lg=lg, wo=wo, io=io, kk=kk: ops.router_topk(x, wr, kk, True, lg, wo, io)))
+    for vocab in (50304, 262144):
+        lg, oid = torch.randn(vocab, **f32), torch.empty(1, device=dev, dtype=torch.int64)
+        sc = ops.argmax_scratch(vocab, dev)
+        ops.argmax(lg, oid, sc)
+        assert int(oid) == int(lg.argmax()), "argmax mismatch"
+        cases.append((f"argmax V={vocab}", lambda lg=lg, oid=oid, sc=sc: ops.argmax(lg, oid, sc)))
+    empty = torch.empty(1, **f32)
+    cases.append(("(floor) torch fill_ of 1 float", lambda: empty.fill_(0.0)))
+    print("\n| kernel | us per call (in a CUDA graph) |\n|---|---:|")
+    for name, fn in cases:
+        us = graph_us([fn] * 50)
+        rows.append(dict(kernel=name, us=us))
+        print(f"| {name} | {us:.2f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the block_n / warps / splits sweep at 4096")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    sm = props.multi_processor_count
+    bw = copy_bandwidth_gbs()
+    print(f"{props.name}, {sm} SMs; device copy {bw:.0f} GB/s (read + write)\n")
+    rows: list[dict] = []
+    print("| kernel | cache | kv_len | splits x block_n/warps | us | split us | reduce us | KV MB | GB/s | % copy bw "
+          "| max rel err |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float16, torch.float32):
+        bench_attention(dtype, [1, 17, 512, 4095, 4096], sm, bw, rows)
+    if not args.no_sweep:
+        for block_n, warps, pps in ((32, 4, 4), (64, 4, 2), (64, 4, 8), (128, 4, 4), (128, 8, 4), (64, 8, 8)):
+            bench_attention(torch.float16, [4096], sm, bw, rows, block_n, warps, pps, tag=f" pps={pps}")
+    bench_small(rows)
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        with open(args.json, "w") as f:
+            json.dump(dict(commit=commit, gpu=props.name, sm_count=sm, copy_gbs=bw, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
