@@ -137,25 +137,25 @@ def weight_bytes_per_token(file: GGUFFile, cfg: ModelConfig) -> float:
     return total
 
 
-def kv_bytes_per_position(cfg: ModelConfig, elem_size: int) -> int:
+def kv_bytes_per_position(cfg: ModelConfig, elem_size: float) -> float:
     """Bytes of keys + values of one position in one layer."""
     return cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * elem_size
 
 
-def kv_read_bytes(cfg: ModelConfig, elem_size: int, pos: int) -> int:
+def kv_read_bytes(cfg: ModelConfig, elem_size: float, pos: int) -> float:
     """KV bytes the token at position `pos` attends over (positions 0..pos; sliding-window layers less)."""
     per = kv_bytes_per_position(cfg, elem_size)
     swa = cfg.swa_layers or (False,) * cfg.n_layer
     return sum(per * (min(pos + 1, cfg.sliding_window) if s and cfg.sliding_window else pos + 1) for s in swa)
 
 
-def tg_bytes_per_token(file: GGUFFile, cfg: ModelConfig, elem_size: int, depth: int, n: int) -> float:
+def tg_bytes_per_token(file: GGUFFile, cfg: ModelConfig, elem_size: float, depth: int, n: int) -> float:
     """Mean bytes per step of tgN at `depth`: weights + KV read, averaged over positions depth..depth+n-1."""
     kv = sum(kv_read_bytes(cfg, elem_size, depth + i) for i in range(n)) / n
     return weight_bytes_per_token(file, cfg) + kv
 
 
-def pp_bytes(file: GGUFFile, cfg: ModelConfig, elem_size: int, depth: int, n: int) -> float:
+def pp_bytes(file: GGUFFile, cfg: ModelConfig, elem_size: float, depth: int, n: int) -> float:
     """Bytes one ppN forward reads at least: every weight once (experts by the expected share that n tokens
     route to, uniform routing), the n embedding rows, and the KV cache once through depth + n."""
     total = 0.0
@@ -280,6 +280,12 @@ def weight_path(engine: Engine) -> str:
     return " ".join(f"{t}:{paths.get(t, '?')}" for t in types)
 
 
+def cache_element_size(engine: Engine) -> float:
+    """Bytes per K/V element of the engine's cache (from its total size, whatever its layout)."""
+    cfg = engine.cfg
+    return engine.cache.nbytes / (engine.n_ctx * cfg.n_layer * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v))
+
+
 def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int = 1, seed: int = 0,
           bandwidth: dict[str, Any] | None = None, bandwidth_bytes: int = GiB) -> Report:
     """Run `tests` on `engine` and derive t/s, GB/s and % of the roofline; bandwidth measured unless given."""
@@ -290,7 +296,7 @@ def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int =
         raise MoerunError(f"the tests need {need} positions but the engine's context size is {engine.n_ctx}")
     file, cfg = engine.file, engine.cfg
     bw = bandwidth if bandwidth is not None else measure_bandwidth(engine.device, bandwidth_bytes)
-    elem = engine.cache.k[0].element_size() if engine.cache.k else 0
+    elem = cache_element_size(engine)
     path = weight_path(engine)
     report = Report(
         model=model_label(file), file=str(file.path), file_size_bytes=file.path.stat().st_size,

@@ -155,7 +155,7 @@ def test_bytes_per_token_matches_an_independent_count(tiny: tuple[Path, object],
     mean_positions = sum(depth + i + 1 for i in range(n)) / n  # step i attends over positions 0..depth+i
     got = bench.tg_bytes_per_token(engine.file, engine.cfg, 4, depth, n)
     assert got == pytest.approx(expected + mean_positions * kv_per_pos, rel=1e-12)
-    assert engine.cache.k[0].element_size() == 4
+    assert bench.cache_element_size(engine) == 4
 
 
 def test_report_markdown_and_json(engine: Engine) -> None:
@@ -190,7 +190,8 @@ def test_bandwidth_measurement_counts_read_and_write() -> None:
 
 def test_generate_runs_at_tg128_rate(engine: Engine) -> None:
     """generate(n=128) with a one-token prompt is 128 steps of the same kind as tg128's: same rate within
-    10% (medians of interleaved runs; one retry on a noisy machine)."""
+    10%. Robust to a loaded machine: runs alternate, each generate run is compared with the tg128 run just
+    before it, the median of those ratios counts, and a noisy attempt is retried twice."""
     def gen_seconds() -> float:
         t0 = time.perf_counter()
         out = list(engine.generate([3], 128))
@@ -198,15 +199,20 @@ def test_generate_runs_at_tg128_rate(engine: Engine) -> None:
         assert len(out) == 128
         return dt
 
-    for _attempt in range(2):
-        tg, gen = [], []
-        for _ in range(7):
-            tg += bench.run_test(engine, bench.TestSpec("tg", 128), reps=1, warmup=0)
-            gen.append(gen_seconds())
-        ratio = statistics.median(tg) / statistics.median(gen)  # generate rate / tg128 rate
-        if abs(ratio - 1) < 0.10:
-            break
-    assert abs(ratio - 1) < 0.10, f"generate runs at {ratio:.3f} x tg128's rate"
+    ratios: list[float] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a loaded 2-core machine, competing intra-op threads make times erratic
+    try:
+        for _attempt in range(3):
+            ratios = []
+            for _ in range(7):
+                (tg,) = bench.run_test(engine, bench.TestSpec("tg", 128), reps=1, warmup=0)
+                ratios.append(tg / gen_seconds())  # generate's rate / tg128's rate
+            if abs(statistics.median(ratios) - 1) < 0.10:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(statistics.median(ratios) - 1) < 0.10, f"generate / tg128 rate ratios: {ratios}"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
