@@ -1,7 +1,5 @@
-"""Triton kernels for decode; import only where triton is available (set TRITON_INTERPRET=1 before import on CPU)."""
+"""Triton kernels for GPU decode (one module per kernel family; import the module you need).
 
-from __future__ import annotations
-
-from moerun.kernels.triton.qmatvec import SUPPORTED, TILES, Tile, moe_down, moe_gate_up, qmatvec
-
-__all__ = ["SUPPORTED", "TILES", "Tile", "moe_down", "moe_gate_up", "qmatvec"]
+qmatvec: fused quantized matrix-vector products (dense, MoE gate/up, MoE down) on raw GGUF blocks.
+On a machine without CUDA set TRITON_INTERPRET=1 before triton is first imported to run them on CPU.
+"""

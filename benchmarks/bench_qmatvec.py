@@ -1,0 +1,231 @@
+"""GPU micro-benchmark of the fused quantized matvec kernels at OLMoE-1B-7B decode sizes.
+
+    python benchmarks/bench_qmatvec.py                      # all types, default tiles
+    python benchmarks/bench_qmatvec.py --types q4_k,q6_k --sweep --json benchmarks/results/qmatvec.json
+
+Each kernel runs inside a CUDA graph that replays R launches on different weights (R copies of a
+dense matrix; for experts R disjoint sets of selected experts), so the figure is what a decode step
+sees: no Python launch cost, cold L2 (R * bytes >= ~3x the L2 size), back-to-back kernels. GB/s counts
+the weight bytes each launch reads (plus activations); "%copy" compares it with a device-to-device
+copy (read + write bytes / time) measured in the same run, and "bf16 mv" with torch's bf16 matvec of
+the same shape (cuBLAS) under the same ring. --sweep tries a grid of tiles per case, prints the best
+and a TILES dict to paste into moerun/kernels/triton/qmatvec.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import triton
+from gguf import GGMLQuantizationType as T
+
+from moerun.kernels.triton import qmatvec as Q
+from moerun.quant import random_blocks
+
+HIDDEN, FFN, N_EXPERTS, N_SEL, VOCAB = 2048, 1024, 64, 8, 50304
+TYPES = {t.name.lower(): int(t) for t in (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q4_0, T.Q5_0, T.F16, T.BF16, T.F32)}
+NAMES = {v: k for k, v in TYPES.items()}
+
+
+def fill(qtype: int, lead: tuple[int, ...], k: int, device: torch.device) -> torch.Tensor:
+    """uint8 [*lead, row_bytes] of valid random blocks (a 16 MB pool tiled on the GPU: speed ignores values)."""
+    bs, ts, _ = Q.GEOMETRY[qtype]
+    n = math.prod(lead) * (k // bs)
+    pool_n = min(n, (16 << 20) // ts)
+    pool = torch.from_numpy(random_blocks(qtype, pool_n, np.random.default_rng(0), scale=0.05)).to(device)
+    reps = -(-n // pool_n)
+    return pool.repeat(reps, 1)[:n].reshape(*lead, k // bs * ts).contiguous()
+
+
+def graph_time(fns: list[Callable[[], object]], iters: int = 20) -> float:
+    """Seconds per call of the fns, replayed back to back in one CUDA graph (median of 5 timings)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:  # warm-up (compiles) outside capture
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / (iters * len(fns)))
+    return float(np.median(times))
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    t = graph_time([lambda: b.copy_(a)], iters=10)
+    return 2 * n / t
+
+
+class Case:
+    """One kernel launch shape: kind ("mv" | "gate_up" | "down"), type, M rows, K inputs."""
+
+    def __init__(self, kind: str, qtype: int, m: int, k: int, label: str, device: torch.device, l2: int):
+        self.kind, self.qtype, self.m, self.k, self.label = kind, qtype, m, k, label
+        bs, ts, _ = Q.GEOMETRY[qtype]
+        row = k // bs * ts
+        dev = device
+        self.l2 = l2
+        if kind == "mv":
+            self.bytes = m * row + 4 * (k + m)
+            self.ring = max(2, -(-3 * l2 // (m * row)))
+            w = fill(qtype, (m,), k, dev)
+            self.ws = [w] + [w.clone() for _ in range(self.ring - 1)]
+            self.x = torch.randn(k, device=dev)
+            self.out = torch.empty(m, device=dev)
+            self.res = torch.randn(m, device=dev)
+        else:
+            n_mat = 2 if kind == "gate_up" else 1
+            self.bytes = n_mat * N_SEL * m * row + 4 * (k * (N_SEL if kind == "down" else 1) + m * N_SEL)
+            # disjoint expert sets (8 x the selected bytes), times enough weight copies to exceed 3x L2
+            sets = N_EXPERTS // N_SEL
+            copies = max(1, -(-3 * l2 // (sets * self.bytes)))
+            perm = torch.randperm(N_EXPERTS, generator=torch.Generator().manual_seed(0))
+            ids = [perm[i * N_SEL:(i + 1) * N_SEL].to(torch.int32).to(dev) for i in range(sets)]
+            self.launches = []  # (w, w2 | None, ids)
+            for _ in range(copies):
+                w = fill(qtype, (N_EXPERTS, m), k, dev)
+                w2 = fill(qtype, (N_EXPERTS, m), k, dev) if kind == "gate_up" else None
+                self.launches += [(w, w2, i) for i in ids]
+            self.x = torch.randn(k, device=dev) if kind == "gate_up" else torch.randn(N_SEL, k, device=dev)
+            self.out = torch.empty(N_SEL, m, device=dev) if kind == "gate_up" else torch.empty(m, device=dev)
+            self.res = torch.randn(m, device=dev)
+            self.wts = torch.rand(N_SEL, device=dev)
+
+    def fns(self, tile: Q.Tile | None) -> list[Callable[[], object]]:
+        qt = self.qtype
+        if self.kind == "mv":
+            return [lambda w=w: Q.qmatvec(w, qt, self.x, self.out, self.res, tile=tile) for w in self.ws]
+        if self.kind == "gate_up":
+            return [lambda w=w, w2=w2, i=i: Q.moe_gate_up(w, w2, qt, qt, self.x, i, self.out, "silu", tile=tile)
+                    for w, w2, i in self.launches]
+        return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile)
+                for w, _, i in self.launches]
+
+    def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
+        """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
+        n_mat = {"mv": 1, "gate_up": 2 * N_SEL, "down": N_SEL}[self.kind]
+        m, k = self.m * n_mat, self.k
+        ring = max(2, -(-3 * self.l2 // (2 * m * k)))
+        ws = [torch.randn(m, k, device=self.x.device, dtype=torch.bfloat16) for _ in range(ring)]
+        x = torch.randn(k, device=self.x.device, dtype=torch.bfloat16)
+        out = torch.empty(m, device=self.x.device, dtype=torch.bfloat16)
+        return [lambda w=w: torch.mv(w, x, out=out) for w in ws], 2 * m * k
+
+    def free(self) -> None:
+        for a in ("ws", "launches"):
+            if hasattr(self, a):
+                delattr(self, a)
+
+
+def candidate_tiles(case: Case) -> list[Q.Tile]:
+    """A grid around the heuristic: BLOCK_M 1..32, K-steps of 1k..8k weights, 2 warp counts."""
+    bs = Q.GEOMETRY[case.qtype][0]
+    n_blocks = case.k // bs
+    mats = 2 if case.kind == "gate_up" else 1
+    tiles = []
+    for bm in (1, 2, 4, 8, 16, 32):
+        if bm > triton.next_power_of_2(case.m):
+            continue
+        for wps in (1024, 2048, 4096, 8192):
+            nb = max(1, wps // (bm * bs * mats))
+            if nb > triton.next_power_of_2(n_blocks) or nb * bm * bs * mats != wps:
+                continue
+            w0 = max(2, min(8, wps // (32 * 32)))
+            for warps in sorted({w0, min(8, 2 * w0), max(1, w0 // 2)}):
+                tiles.append(Q.Tile(bm, nb, warps, 1))
+    return tiles
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated: " + ",".join(TYPES))
+    ap.add_argument("--kinds", default="mv,gate_up,down,out", help="mv (2048x2048), gate_up, down, out (vocab)")
+    ap.add_argument("--sweep", action="store_true", help="try a grid of tiles per case")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    bw = copy_bandwidth(dev)
+    print(f"{props.name}: {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, copy {bw / 1e9:.0f} GB/s "
+          f"(read+write), triton {triton.__version__}, torch {torch.__version__}")
+    kinds = args.kinds.split(",")
+    rows = []
+    best_tiles: dict[tuple[str, int, int, int], Q.Tile] = {}
+    for name in args.types.split(","):
+        qt = TYPES[name]
+        shapes = [("mv", HIDDEN, HIDDEN, "attn 2048x2048"), ("gate_up", FFN, HIDDEN, "experts gate+up 8x1024x2048"),
+                  ("down", HIDDEN, FFN, "experts down 8x2048x1024"), ("out", VOCAB, HIDDEN, "output 50304x2048")]
+        for kind, m, k, label in shapes:
+            if kind not in kinds:
+                continue
+            case = Case("mv" if kind == "out" else kind, qt, m, k, label, dev, l2)
+            default = Q.tile_for(case.kind, qt, m, k, N_SEL, dev)
+            t = graph_time(case.fns(None))
+            row = {"type": name, "case": label, "kind": case.kind, "M": m, "K": k, "bytes": case.bytes,
+                   "tile": list(default), "us": t * 1e6, "GBps": case.bytes / t / 1e9, "pct_copy": case.bytes / t / bw}
+            fns, nbytes = case.bf16_fns()
+            tb = graph_time(fns)
+            row["bf16_mv_GBps"] = nbytes / tb / 1e9
+            del fns
+            if args.sweep:
+                results = []
+                for tile in candidate_tiles(case):
+                    try:
+                        results.append((graph_time(case.fns(tile), iters=10), tile))
+                    except Exception as e:  # e.g. out of resources: report and go on
+                        print(f"  {tile}: {type(e).__name__}: {str(e)[:80]}")
+                results.sort()
+                row["sweep"] = [[list(tl_), ts * 1e6] for ts, tl_ in results]
+                if results:
+                    bt, btile = results[0]
+                    row["best_tile"], row["best_us"], row["best_GBps"] = list(btile), bt * 1e6, case.bytes / bt / 1e9
+                    best_tiles[(case.kind, qt, m, k)] = btile
+            rows.append(row)
+            best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
+                if "best_tile" in row else ""
+            print(f"{name:5} {label:28} {row['us']:8.2f} us {row['GBps']:6.0f} GB/s {100 * row['pct_copy']:5.1f}%copy "
+                  f"(bf16 mv {row['bf16_mv_GBps']:5.0f} GB/s) tile {tuple(default)}{best}", flush=True)
+            case.free()
+            torch.cuda.empty_cache()
+    if best_tiles:
+        print("\nTILES = {")
+        for (kind, qt, m, k), tile in best_tiles.items():
+            print(f"    ({kind!r}, {qt}, {m}, {k}): Tile{tuple(tile)},  # {NAMES[qt]}")
+        print("}")
+    if args.json:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
+        with open(args.json, "w") as f:
+            json.dump({"commit": commit, "gpu": props.name, "time": time.time(), "copy_GBps": bw / 1e9,
+                       "triton": triton.__version__, "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
