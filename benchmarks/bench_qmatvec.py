@@ -99,7 +99,8 @@ class Case:
             self.res = torch.randn(m, device=dev)
         else:
             n_mat = 2 if kind == "gate_up" else 1
-            self.bytes = n_mat * N_SEL * m * row + 4 * (k * (N_SEL if kind == "down" else 1) + m * N_SEL)
+            acts = k + m * N_SEL if kind == "gate_up" else k * N_SEL + 2 * m  # x + out, or h + residual + out
+            self.bytes = n_mat * N_SEL * m * row + 4 * acts
             # disjoint expert sets (8 x the selected bytes), times enough weight copies to exceed 3x L2
             sets = N_EXPERTS // N_SEL
             copies = max(1, -(-3 * l2 // (sets * self.bytes)))
