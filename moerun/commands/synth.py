@@ -27,18 +27,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _list() -> None:
-    from moerun.synth.writer import plan_file
+    from moerun.synth import PRESETS, expected_size
+    from moerun.synth.presets import n_params
 
     print(f"{'preset':<20} {'arch':<9} {'params':>8} {'layers':>6} {'embd':>5} {'heads':>7} {'experts':>8} "
           f"{'vocab':>7} {'q4_k_m':>9} {'q8_0':>9} {'f16':>9}  source")
-    from moerun.synth import PRESETS
-
     for name, p in PRESETS.items():
-        sizes = [plan_file(p, t) for t in ("q4_k_m", "q8_0", "f16")]
+        sizes = [expected_size(p, t) for t in ("q4_k_m", "q8_0", "f16")]
         experts = f"{p.n_expert_used}/{p.n_expert}" if p.is_moe else "-"
-        print(f"{name:<20} {p.arch:<9} {sizes[0].n_params / 1e9:>7.2f}B {p.n_layer:>6} {p.n_embd:>5} "
+        print(f"{name:<20} {p.arch:<9} {n_params(p) / 1e9:>7.2f}B {p.n_layer:>6} {p.n_embd:>5} "
               f"{p.n_head:>3}/{p.n_head_kv:<3} {experts:>8} {p.n_vocab:>7} "
-              + " ".join(_size(s.size) for s in sizes) + f"  {p.source}")
+              + " ".join(_size(s) for s in sizes) + f"  {p.source}")
 
 
 def _size(n: int) -> str:

@@ -178,7 +178,7 @@ _REAL: list[Preset] = [
     ),
 ]
 
-# Tiny twins: hidden 256, 4 layers (so llama.cpp's use_more_bits picks some layers and not others),
+# Tiny twins: hidden 256, 2 layers (llama.cpp's use_more_bits(i, 2) picks layer 1 and not layer 0),
 # vocab 1024, context 512; MoE twins keep their routing (OLMoE: no GQA, as llama.cpp requires; Mixtral:
 # exactly 8 experts, which changes llama.cpp's type mix). Qwen3 twins keep GQA and an explicit head_dim.
 _TINY: dict[str, dict] = {
@@ -193,7 +193,7 @@ _TINY: dict[str, dict] = {
                          rope_freqs=Llama3Rope(original_context=256)),
     "smollm2-1.7b": dict(n_head=4, n_head_kv=4, head_dim=64, n_ff=512),
 }
-TINY_COMMON = dict(n_vocab=1024, n_ctx=512, n_embd=256, n_layer=4)
+TINY_COMMON = dict(n_vocab=1024, n_ctx=512, n_embd=256, n_layer=2)
 
 
 def _tiny(p: Preset) -> Preset:

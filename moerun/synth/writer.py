@@ -85,7 +85,7 @@ def _add_metadata(w: gguf.GGUFWriter, p: Preset, ftype: str) -> None:
     llama_ftype, _ = file_type(ftype)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(f"{p.name} (synthetic)")
-    w.add_description(f"moerun synth: random weights with the shape of {p.source}, {ftype.upper()}")
+    w.add_description(f"moerun synth: random weights with the shape of {p.source}")  # same length for every ftype
     for method, value, when in _KEYS:
         if when(p):
             getattr(w, method)(value(p))
@@ -156,6 +156,13 @@ def plan_file(preset: str | Preset, ftype: str) -> FilePlan:
 
 @functools.lru_cache(maxsize=16)
 def _plan_file(p: Preset, ftype: str) -> FilePlan:
+    tensors = _tensors(p, ftype)
+    return FilePlan(p, ftype, tensors, _header(p, ftype, tensors))
+
+
+@functools.lru_cache(maxsize=64)
+def _tensors(p: Preset, ftype: str) -> list[PlannedTensor]:
+    """Every tensor of the file with its type, size and offset (no header: cheap)."""
     specs = tensor_plan(p)
     types = plan_types([(s.name, s.shape) for s in specs], ftype, ModelInfo(p.n_layer, p.n_expert))
     tensors, offset = [], 0
@@ -163,7 +170,14 @@ def _plan_file(p: Preset, ftype: str) -> FilePlan:
         n = _n_bytes(s.shape, t)
         tensors.append(PlannedTensor(s, t, n, offset))
         offset += _pad(n)
-    return FilePlan(p, ftype, tensors, _header(p, ftype, tensors))
+    return tensors
+
+
+@functools.lru_cache(maxsize=16)
+def _header_size(p: Preset) -> int:
+    """Header bytes (padded) of any file of `p`: every file type gives the same length (the type fields
+    are fixed-width), so one header is built per preset."""
+    return len(_header(p, "f16", _tensors(p, "f16")))
 
 
 def _header(p: Preset, ftype: str, tensors: list[PlannedTensor]) -> bytes:
@@ -184,7 +198,9 @@ def _header(p: Preset, ftype: str, tensors: list[PlannedTensor]) -> bytes:
 
 def expected_size(preset: str | Preset, ftype: str) -> int:
     """Exact size in bytes of the file `synthesize(preset, ftype, ...)` writes, without writing it."""
-    return plan_file(preset, ftype).size
+    p = get_preset(preset)
+    last = _tensors(p, ftype.lower())[-1]
+    return _header_size(p) + last.offset + _pad(last.n_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------
