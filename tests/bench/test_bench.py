@@ -5,6 +5,7 @@ running at tg128's rate (the bench times the same step generation uses)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -215,9 +216,9 @@ def test_generate_runs_at_tg128_rate(engine: Engine) -> None:
     assert abs(statistics.median(ratios) - 1) < 0.10, f"generate / tg128 rate ratios: {ratios}"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moerun", "bench", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+                          cwd=REPO, timeout=300, env=None if env is None else {**os.environ, **env})
 
 
 def test_cli_json_and_output_file(tiny: tuple[Path, object], tmp_path: Path) -> None:
@@ -236,3 +237,17 @@ def test_cli_bad_file_is_one_line_error(tmp_path: Path) -> None:
     proc = _cli("-m", str(bad), "-p", "4", "-n", "2")
     assert proc.returncode != 0
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1 and "bad.gguf" in proc.stderr
+
+
+@pytest.mark.parametrize("choice, model", [
+    ((), "tiny-olmoe-1b-7b (synthetic) Q4_K - Medium"),
+    (("--preset", "tiny-qwen3-30b-a3b", "--type", "q8_0"), "tiny-qwen3-30b-a3b (synthetic) Q8_0"),
+])
+def test_cli_without_model_benches_a_synthetic_file(tmp_path: Path, choice: tuple[str, ...], model: str) -> None:
+    """No -m: the default tiny synthetic model (or --preset/--type), written once into $MOERUN_CACHE."""
+    args = (*choice, "-p", "8", "-n", "4", "-r", "1", "--bandwidth-gib", "0.02")
+    proc = _cli(*args, env={"MOERUN_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "model" not in line]
+    assert len(rows) == 2 and all(row.startswith(f"| {model} ") for row in rows), proc.stdout
+    assert len(list(tmp_path.rglob("*.gguf"))) == 1
