@@ -109,12 +109,24 @@ def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
 
 
 @triton.jit
+def _cast_store(ptr, y, mask, BF16: tl.constexpr):
+    """Store f32 y at ptr in the pointer's dtype; bf16 rounds to nearest even by integer ops (bit-identical on the
+    GPU and in Triton's interpreter, whose own f32 -> bf16 cast truncates)."""
+    if BF16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(ptr, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, kc_ptr, vc_ptr, qo_ptr, eps,
                                kc_sn, kc_sh, vc_sn, vc_sh,
                                H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                                R: tl.constexpr, QK_NORM: tl.constexpr, NEOX: tl.constexpr,
-                               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                               BLOCK_FQ: tl.constexpr, BLOCK_FK: tl.constexpr):
+                               K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_DV: tl.constexpr, BLOCK_FQ: tl.constexpr, BLOCK_FK: tl.constexpr):
     """Programs 0..H-1: q head -> q_out [H, D] f32. Programs H..H+HKV-1: k head -> k_cache[pos], v head -> v_cache[pos].
 
     q: [H*D], k: [HKV*D], v: [HKV*DV] f32; cs: [n_ctx, 2, R/2] f32; pos: [1] int; caches [n_ctx, HKV, D|DV].
@@ -136,11 +148,11 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cs_ptr, pos_
             wk = kw_ptr + j * D
         y = _norm_rope_head(k_ptr + j * D, k_ptr, wk, cs, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FK)
         kdst = kc_ptr + pos * kc_sn + j * kc_sh
-        tl.store(kdst + d, y.to(kc_ptr.dtype.element_ty), mask=d < D)
+        _cast_store(kdst + d, y, d < D, K_BF16)
         dv = tl.arange(0, BLOCK_DV)
         v = tl.load(v_ptr + j * DV + dv, mask=dv < DV, other=0.0)
         vdst = vc_ptr + pos * vc_sn + j * vc_sh
-        tl.store(vdst + dv, v.to(vc_ptr.dtype.element_ty), mask=dv < DV)
+        _cast_store(vdst + dv, v, dv < DV, V_BF16)
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -168,6 +180,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, qw, kw, rope_cs, pos_t, k_cache, v_cache, q_out, float(eps),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         H=h, HKV=hkv, D=d, DV=dv, R=r, QK_NORM=norm, NEOX=ROPE_STYLES[rope_style],
+        K_BF16=k_cache.dtype == torch.bfloat16, V_BF16=v_cache.dtype == torch.bfloat16,
         BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
         BLOCK_FQ=_np2(h * d) if norm == 2 else 1, BLOCK_FK=_np2(hkv * d) if norm == 2 else 1,
         num_warps=4)
@@ -292,6 +305,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     reads kv head h // (H/Hkv)); kv_len_t: [1] int device tensor L (= pos + 1, 1 <= L <= n_ctx);
     scratch: attention_scratch(H, Dv, S) with S from attention_splits; out: [H, Dv] f32. Two launches:
     H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). Returns out.
+    With GQA the G query heads of a kv head are adjacent programs reading the same K/V tiles (mostly L2 hits).
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
