@@ -381,7 +381,7 @@ def system_info(device: torch.device) -> dict[str, Any]:
         "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], here)),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None,
-        "gpu_name": None, "driver": None,
+        "gpu_name": None, "driver": None, "cpu_threads": torch.get_num_threads(),
     }
     try:
         import triton

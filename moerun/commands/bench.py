@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-file", metavar="PATH", help="also write the full JSON report to PATH")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: $MOERUN_DEVICE, else CUDA if present)")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default float32)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; fewer helps on a busy machine)")
     p.add_argument("--bandwidth-gib", type=float, default=1.0,
                    help="size of the device copy that measures bandwidth, GiB (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
@@ -62,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
         raise MoerunError("nothing to run: every -p and -n is 0")
     if args.repetitions < 1 or args.warmup < 0:
         raise MoerunError("need -r >= 1 and --warmup >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise MoerunError(f"-t must be >= 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
     path = _model_path(args)
     need = max(t.depth + t.n for t in tests)
     engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need)
