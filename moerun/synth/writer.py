@@ -320,6 +320,18 @@ def synthesize(preset: str | Preset, ftype: str, path: str | os.PathLike, *, see
     plan = plan_file(preset, ftype)
     path = Path(path)
     check_free_space(path, plan.size)
+    try:
+        _write_file(plan, path, seed, progress)
+    except BaseException:
+        path.unlink(missing_ok=True)  # no half-written file left behind (interrupt, full disk, ...)
+        raise
+    if path.stat().st_size != plan.size:
+        raise MoerunError(f"{path}: wrote {path.stat().st_size} bytes, planned {plan.size} (bug)")
+    return path
+
+
+def _write_file(plan: FilePlan, path: Path, seed: int, progress: bool) -> None:
+    """Stream the header and every tensor of `plan` to `path`."""
     n_threads = min(16, os.cpu_count() or 1)
     bar = tqdm(total=plan.size, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                desc=f"synth {plan.preset.name} {plan.ftype}")
@@ -338,9 +350,6 @@ def synthesize(preset: str | Preset, ftype: str, path: str | os.PathLike, *, see
             write([], _pad(t.n_bytes) - t.n_bytes)
         for fut in pending:
             fut.result()
-    if path.stat().st_size != plan.size:
-        raise MoerunError(f"{path}: wrote {path.stat().st_size} bytes, planned {plan.size} (bug)")
-    return path
 
 
 def _write_parts(f: io.BufferedWriter, parts: list[np.ndarray], pad: int, bar: tqdm) -> None:

@@ -129,6 +129,9 @@ def test_interrupted_cached_synth_leaves_nothing(tmp_path: Path, monkeypatch: py
     with pytest.raises(KeyboardInterrupt):
         cached_synth("tiny-smollm2-1.7b", "f16", cache_dir=tmp_path, progress=False)
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt):
+        synthesize("tiny-smollm2-1.7b", "f16", tmp_path / "direct.gguf", progress=False)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_insufficient_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
