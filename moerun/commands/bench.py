@@ -14,6 +14,9 @@ HELP = "measure prompt (ppN) and generation (tgN) speed like llama-bench, with G
 
 DEFAULT_PRESET = "tiny-olmoe-1b-7b"
 DEFAULT_TYPE = "q4_k_m"
+# --decode -> Engine arguments
+DECODE_PATHS = {"auto": {}, "fast": {"fast": True}, "eager": {"fast": True, "graph": False},
+                "reference": {"fast": False}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gib", type=float, default=1.0,
                    help="size of the device copy that measures bandwidth, GiB (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
+    p.add_argument("--decode", choices=list(DECODE_PATHS), default="auto",
+                   help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
+                        "(eager), plain torch (reference); default auto = fast on CUDA, reference on CPU")
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     path = _model_path(args)
     need = max(t.depth + t.n for t in tests)
-    engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need)
+    engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need, **DECODE_PATHS[args.decode])
     try:
         report = bench.bench(engine, tests, reps=args.repetitions, warmup=args.warmup, seed=args.seed,
                              bandwidth_bytes=int(args.bandwidth_gib * bench.GiB))

@@ -163,9 +163,17 @@ class Engine:
         return list(self.generate(prompt, n))
 
     def kernel_paths(self) -> dict[str, str]:
-        """Which kernels multiply by each weight type this model uses: {"Q4_K": "torch-dequant", ...}."""
-        types = {e.type_name for e in self.file.tensors.values()}
-        return {t: "torch-dequant" for t in sorted(types)}
+        """Which kernels multiply by each weight type in decode: {"Q4_K": "triton", "F32": "torch-dequant", ...}.
+
+        F32 covers 1-D tensors (norms) and the router, which the fast path reads directly."""
+        entries = {e.type_name: e.ggml_type for e in self.file.tensors.values()}
+        fast = self.fast
+        def path(ggml_type: int) -> str:
+            if fast is None:
+                return "torch-dequant"
+            has = getattr(fast.ops, "has_kernel", None)
+            return fast.ops.name if has is None or has(ggml_type) else "torch-dequant (no fused kernel)"
+        return {name: path(t) for name, t in sorted(entries.items())}
 
     def close(self) -> None:
         self.file.close()

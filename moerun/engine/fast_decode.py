@@ -54,6 +54,7 @@ class FastDecoder:
         # per-step inputs and outputs (device)
         self.tok = torch.zeros(1, device=dev, dtype=torch.long)
         self.pos = torch.zeros(1, device=dev, dtype=torch.long)
+        self.kv_len = torch.ones(1, device=dev, dtype=torch.long)  # pos + 1
         self.next_id = torch.zeros(1, device=dev, dtype=torch.long)
         self.logits = torch.empty(cfg.n_vocab, **f32)
         # activations
@@ -123,7 +124,7 @@ class FastDecoder:
             rope_style=spec.rope_style, rope_dim=cfg.rope_dim,
             base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
             freq_factors=self.rope_freqs)
-        ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.pos, cfg.attn_scale,
+        ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.kv_len, cfg.attn_scale,
                              cfg.sliding_window if swa else 0, self.attn)
         wo = L["attn_output"]
         if spec.post_norms:
@@ -134,7 +135,7 @@ class FastDecoder:
 
         ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn)
         if cfg.is_moe:
-            torch.mv(L["ffn_gate_inp"], self.xn, out=self.router_logits)
+            ops.router(self.xn, L["ffn_gate_inp"], self.router_logits)
             ops.route_topk(self.router_logits, cfg.n_expert_used, cfg.expert_weights_norm, self.route_w, self.ids)
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act)
@@ -172,6 +173,7 @@ class FastDecoder:
         """Queue one step for `token` at `pos` (no host sync); returns the device next-id buffer [1]."""
         self.tok.fill_(token)
         self.pos.fill_(pos)
+        self.kv_len.fill_(pos + 1)
         if not self.use_graph:
             self._step()
             return self.next_id

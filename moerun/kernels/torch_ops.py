@@ -58,6 +58,11 @@ class TorchOps:
         return out
 
     @staticmethod
+    def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Router logits out [E] = W [E, N] (float32) @ x [N]."""
+        return torch.mv(w, x, out=out)
+
+    @staticmethod
     def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
                    ids_out: torch.Tensor) -> None:
         """logits [E] -> softmax over all experts, top-k -> weights_out [K] f32, ids_out [K] int32."""
@@ -91,7 +96,7 @@ class TorchOps:
         v_cache.index_copy_(0, pos_t.long(), v.view(1, Hkv, -1).to(v_cache.dtype))
 
     @staticmethod
-    def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos_t: torch.Tensor,
+    def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                          scale: float, window: int, out: torch.Tensor) -> None:
-        """One query q [H, D] at position pos_t [1] over cache rows 0..pos -> out [H, Dv] f32."""
-        out.copy_(ref.attention(q[None], k_cache, v_cache, pos_t, scale, window)[0])
+        """One query q [H, D] at position L-1 over cache rows 0..L-1 (kv_len_t [1] = L) -> out [H, Dv] f32."""
+        out.copy_(ref.attention(q[None], k_cache, v_cache, kv_len_t - 1, scale, window)[0])

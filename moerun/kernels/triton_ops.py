@@ -1,0 +1,91 @@
+"""Decode-step ops backed by the fused Triton kernels (kernels/triton/), same interface as TorchOps.
+
+Holds the little state the kernels need (RoPE tables, attention and argmax scratch), allocated on
+first use — which is the warm-up before a CUDA graph is captured, never inside the graph.
+A weight type without a fused kernel falls back to TorchOps (visible in `paths`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.kernels.torch_ops import TorchOps
+from moerun.kernels.triton import decode_ops as dk
+from moerun.kernels.triton import qmatvec as qk
+
+
+class TritonOps:
+    """Fused Triton kernels for every decode-step op."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._rope: dict[tuple, torch.Tensor] = {}
+        self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def has_kernel(qtype: int) -> bool:
+        return qtype in qk.SUPPORTED
+
+    def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        if qtype not in qk.SUPPORTED:
+            return TorchOps.qmatvec(w, qtype, x, out, residual)
+        return qk.qmatvec(w, qtype, x, out, residual)
+
+    def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
+                    x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
+            return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act)
+        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act)
+
+    def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if qtype not in qk.SUPPORTED:
+            return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
+        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+        return dk.rms_norm(x, w, eps, out)
+
+    @staticmethod
+    def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return dk.router_logits(x, w, out)
+
+    @staticmethod
+    def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
+                   ids_out: torch.Tensor) -> None:
+        dk.route_topk(logits, k, renormalise, weights_out, ids_out)
+
+    def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
+                           k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, q_out: torch.Tensor, *, eps: float, qk_norm: str,
+                           rope_style: str, rope_dim: int, base: float, scale: float,
+                           freq_factors: torch.Tensor | None) -> None:
+        key = (k_cache.shape[0], rope_dim, base, scale, freq_factors is not None, k_cache.device)
+        table = self._rope.get(key)
+        if table is None:
+            table = self._rope[key] = dk.rope_table(k_cache.shape[0], rope_dim, base, scale, freq_factors,
+                                                    device=k_cache.device)
+        dk.qk_norm_rope_store(q, k, v, q_norm_w, k_norm_w, table, pos_t, k_cache, v_cache, q_out, eps,
+                              qk_norm=qk_norm, rope_style=rope_style)
+
+    def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor) -> None:
+        H, Dv = out.shape
+        key = (k_cache.shape[0], H, Dv, q.device)
+        scratch = self._attn_scratch.get(key)
+        if scratch is None:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+            splits = dk.attention_splits(k_cache.shape[0], H, sms)
+            scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, q.device)
+        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch)
+
+    def argmax(self, logits: torch.Tensor, out_id: torch.Tensor) -> None:
+        key = (logits.shape[-1], logits.device)
+        scratch = self._argmax_scratch.get(key)
+        if scratch is None:
+            scratch = self._argmax_scratch[key] = dk.argmax_scratch(logits.shape[-1], logits.device)
+        dk.argmax(logits, out_id, scratch)
