@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from moerun.models.transformer import Transformer
 from moerun.models.weights import ModelWeights, load_weights
 
 DEFAULT_N_CTX = 4096
+MAX_N_CTX = 1 << 24
 DEFAULT_DEQUANT_BUDGET = 4 << 30  # bytes of weights kept dequantized by the reference path
 
 
@@ -77,9 +79,11 @@ class Engine:
             return min(train, DEFAULT_N_CTX) if train > 0 else DEFAULT_N_CTX
         if n_ctx <= 0:
             raise MoerunError(f"{self.file.path}: context size must be positive, got {n_ctx}")
+        if n_ctx > MAX_N_CTX:
+            raise ContextOverflow(f"{self.file.path}: n_ctx {n_ctx} is larger than moerun allows ({MAX_N_CTX})")
         if 0 < train < n_ctx:
-            raise ContextOverflow(f"{self.file.path}: n_ctx {n_ctx} exceeds the model's context length "
-                                  f"{train} ({self.spec.name}.context_length)")
+            warnings.warn(f"{self.file.path}: n_ctx {n_ctx} exceeds the context length the model was trained "
+                          f"with ({train}, {self.spec.name}.context_length); quality may degrade", stacklevel=3)
         return n_ctx
 
     def _n_vocab(self) -> int:

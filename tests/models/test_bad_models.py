@@ -105,8 +105,10 @@ def test_context_overflow_is_an_error(good: Path) -> None:
     eng.forward(list(range(6)))  # exactly fills the cache
     with pytest.raises(ContextOverflow):
         eng.forward([1])
-    with pytest.raises(ContextOverflow, match="context length"):
-        Engine(good, **ENGINE_KW, n_ctx=10**6)
+    with pytest.warns(UserWarning, match="trained"):  # above the training context: allowed, as in llama.cpp
+        assert Engine(good, **ENGINE_KW, n_ctx=600).n_ctx == 600
+    with pytest.raises(ContextOverflow, match="larger than moerun allows"):
+        Engine(good, **ENGINE_KW, n_ctx=1 << 30)
 
 
 def test_bad_tokens_and_positions(good: Path) -> None:
