@@ -7,6 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
+LOG="$OUT/log.txt"  # every stage's text output, one file (the device returns at most 8 files)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 MOERUN_CACHE=/tmp/moerun-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -14,28 +15,29 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 bench() {  # bench FILE TAG ARGS...
   local f=$1 tag=$2; shift 2
-  timeout 300 python3 -m moerun bench -m "$f" "$@" --output-file "$OUT/bench-$tag.json" 2>&1 | tee "$OUT/bench-$tag.md"
+  timeout 300 python3 -m moerun bench -m "$f" "$@" --output-file "$OUT/bench-$tag.json" 2>&1 | grep -v "loading to" \
+    | tee -a "$LOG"
 }
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee "$OUT/kernels.txt" ;;
-    micro)
-      timeout 240 python3 benchmarks/bench_qmatvec.py --json "$OUT/qmatvec.json" 2>&1 | tee "$OUT/qmatvec.txt"
-      timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep --json "$OUT/decode_ops.json" 2>&1 \
-        | tee "$OUT/decode_ops.txt" ;;
+    kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee -a "$LOG" ;;
+    micro) timeout 240 python3 benchmarks/bench_qmatvec.py 2>&1 | tee -a "$LOG" ;;
+    sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep 2>&1 | tee -a "$LOG" ;;
+    attn) timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
     olmoe:*|qwen3:*)
       t=${stage#*:}; p=$([ "${stage%%:*}" = olmoe ] && echo olmoe-1b-7b || echo qwen3-30b-a3b)
       f=/tmp/$p-$t.gguf
       timeout 300 python3 -m moerun synth --preset "$p" --type "$t" -o "$f" --no-progress --force 2>&1 | tail -2
-      timeout 200 python3 benchmarks/profile_decode.py "$f" --decode reference 2>&1 | tee "$OUT/profile-$p-$t-ref.md"
-      timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager 2>&1 | tee "$OUT/profile-$p-$t-eager.md"
-      bench "$f" "$p-$t-reference" -p 512 -n 32 -r 2 --decode reference
+      [ -n "${REFERENCE:-}" ] && timeout 200 python3 benchmarks/profile_decode.py "$f" --decode reference 2>&1 \
+        | grep -v "loading to" | tee -a "$LOG"
+      timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager 2>&1 | grep -v "loading to" | tee -a "$LOG"
+      [ -n "${REFERENCE:-}" ] && bench "$f" "$p-$t-reference" -p 512 -n 32 -r 2 --decode reference
       bench "$f" "$p-$t-fast" -p 512 -n 128 -r 5 -d 0,4096 --decode fast
       rm -f "$f" ;;
     tests)
       MOERUN_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q tests/models tests/engine -k "not llamacpp" 2>&1 \
-        | tail -15 | tee "$OUT/tests-cuda.txt" ;;
+        | tail -15 | tee -a "$LOG" ;;
   esac
 done

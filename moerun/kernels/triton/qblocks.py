@@ -1,8 +1,8 @@
 """Per-type block decoders for the fused quantized matvec kernels (Triton).
 
-Every decoder computes one K-step of a matrix-vector product for a tile of rows:
-
-    part[r] = sum over the NB blocks kb .. kb+NB-1 of  dot(dequant(block[r, b]), x[b * BS : (b + 1) * BS])
+Every decoder computes one K-step of a matrix-vector product for a tile of rows: the elementwise
+products dequant(block[r, b])[i] * x[b * BS + i] for the NB blocks kb .. kb+NB-1, as a [BM, NB, ...]
+tile that the caller accumulates across steps and reduces once (`total`).
 
 from the raw GGUF bytes, exactly as laid out in the file (see moerun/quant/dequant.py for the torch
 reference of each layout). Arguments shared by all decoders:
@@ -15,7 +15,7 @@ reference of each layout). Arguments shared by all decoders:
 
 Masked rows and blocks load zero bytes and zero activations, so they add exactly 0 (scales are 0).
 Quantized values are decoded with integer ops on uint8/int32 tiles; every product and sum is float32.
-K-quants accumulate sum(q * x) per sub-block and apply the sub-block scale once.
+K-quant sub-block scales (d * sc, dmin * m) are formed once per sub-block and broadcast.
 `step` dispatches on the GGML type id (a constexpr, so only one decoder is compiled per kernel).
 """
 
@@ -89,12 +89,10 @@ def _q4_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     xm = bmask[:, None, None]
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)
     x_hi = tl.load(x_ptr + xi + 32, mask=xm, other=0.0)
-    qx_lo = tl.sum((q & 15).to(tl.float32) * x_lo[None], axis=3)  # [BM, NB, 4]
-    qx_hi = tl.sum((q >> 4).to(tl.float32) * x_hi[None], axis=3)
-    sx_lo = tl.sum(x_lo, axis=2)[None]  # [1, NB, 4]
-    sx_hi = tl.sum(x_hi, axis=2)[None]
-    part = d[:, :, None] * (sc_lo * qx_lo + sc_hi * qx_hi) - dmin[:, :, None] * (mn_lo * sx_lo + mn_hi * sx_hi)
-    return tl.sum(tl.sum(part, axis=2), axis=1)
+    d3, m3f = d[:, :, None], dmin[:, :, None]
+    w_lo = (d3 * sc_lo)[:, :, :, None] * (q & 15).to(tl.float32) - (m3f * mn_lo)[:, :, :, None]
+    w_hi = (d3 * sc_hi)[:, :, :, None] * (q >> 4).to(tl.float32) - (m3f * mn_hi)[:, :, :, None]
+    return w_lo * x_lo[None] + w_hi * x_hi[None]  # [BM, NB, 4, 32]
 
 
 @triton.jit
@@ -120,12 +118,10 @@ def _q5_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     xm = bmask[:, None, None]
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)
     x_hi = tl.load(x_ptr + xi + 32, mask=xm, other=0.0)
-    qx_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None], axis=3)
-    qx_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None], axis=3)
-    sx_lo = tl.sum(x_lo, axis=2)[None]
-    sx_hi = tl.sum(x_hi, axis=2)[None]
-    part = d[:, :, None] * (sc_lo * qx_lo + sc_hi * qx_hi) - dmin[:, :, None] * (mn_lo * sx_lo + mn_hi * sx_hi)
-    return tl.sum(tl.sum(part, axis=2), axis=1)
+    d3, m3f = d[:, :, None], dmin[:, :, None]
+    w_lo = (d3 * sc_lo)[:, :, :, None] * q_lo.to(tl.float32) - (m3f * mn_lo)[:, :, :, None]
+    w_hi = (d3 * sc_hi)[:, :, :, None] * q_hi.to(tl.float32) - (m3f * mn_hi)[:, :, :, None]
+    return w_lo * x_lo[None] + w_hi * x_hi[None]  # [BM, NB, 4, 32]
 
 
 @triton.jit
@@ -155,14 +151,14 @@ def _q6_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     xm = bmask[:, None, None]
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)
     x_hi = tl.load(x_ptr + xi + 64, mask=xm, other=0.0)
-    qx_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None], axis=3)  # [BM, NB, 8]
-    qx_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None], axis=3)
     s_lo = (w_lo // 16)[None, None, :]  # sub-block index of the low-nibble weights; high is +4
     sp = bp[:, :, None] + 192
-    sc_lo = tl.load(sp + s_lo, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    sc_lo = tl.load(sp + s_lo, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)  # [BM, NB, 8]
     sc_hi = tl.load(sp + s_lo + 4, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    part = d * tl.sum(sc_lo * qx_lo + sc_hi * qx_hi, axis=2)  # [BM, NB]
-    return tl.sum(part, axis=1)
+    d3 = d[:, :, None]
+    w_lo = (d3 * sc_lo)[:, :, :, None] * q_lo.to(tl.float32)
+    w_hi = (d3 * sc_hi)[:, :, :, None] * q_hi.to(tl.float32)
+    return w_lo * x_lo[None] + w_hi * x_hi[None]  # [BM, NB, 8, 16]
 
 
 @triton.jit
@@ -173,8 +169,7 @@ def _q8_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     d = _f16(bp, m2)
     q = tl.load(bp[:, :, None] + 2 + i[None, None, :], mask=m2[:, :, None], other=0)  # [BM, NB, 32]
     x = tl.load(x_ptr + blk[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0)  # [NB, 32]
-    qx = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None], axis=2)
-    return tl.sum(d * qx, axis=1)
+    return (d[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)) * x[None]  # [BM, NB, 32]
 
 
 @triton.jit
@@ -188,8 +183,8 @@ def _q4_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     xm = bmask[:, None]
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)[None]
     x_hi = tl.load(x_ptr + xi + 16, mask=xm, other=0.0)[None]
-    qx = tl.sum(((q & 15) - 8).to(tl.float32) * x_lo + ((q >> 4) - 8).to(tl.float32) * x_hi, axis=2)
-    return tl.sum(d * qx, axis=1)
+    d3 = d[:, :, None]
+    return (d3 * ((q & 15) - 8).to(tl.float32)) * x_lo + (d3 * ((q >> 4) - 8).to(tl.float32)) * x_hi  # [BM,NB,16]
 
 
 @triton.jit
@@ -211,8 +206,8 @@ def _q5_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     xm = bmask[:, None]
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)[None]
     x_hi = tl.load(x_ptr + xi + 16, mask=xm, other=0.0)[None]
-    qx = tl.sum(q_lo.to(tl.float32) * x_lo + q_hi.to(tl.float32) * x_hi, axis=2)
-    return tl.sum(d * qx, axis=1)
+    d3 = d[:, :, None]
+    return (d3 * q_lo.to(tl.float32)) * x_lo + (d3 * q_hi.to(tl.float32)) * x_hi  # [BM, NB, 16]
 
 
 @triton.jit
@@ -222,12 +217,13 @@ def _float(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr)
     km = k < n_blocks
     w = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
     x = tl.load(x_ptr + k, mask=km, other=0.0)
-    return tl.sum(w * x[None, :], axis=1)
+    return w * x[None, :]  # [BM, NB]
 
 
 @triton.jit
 def step(wrow, rmask, kb, n_blocks, x_ptr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
-    """One K-step (blocks kb .. kb+NB-1) of the dot products of BM rows with x -> float32 [BM]."""
+    """One K-step (blocks kb .. kb+NB-1): the elementwise products w * x of BM rows, as a tile whose shape
+    depends on the type ([BM, NB, ...]); callers accumulate tiles and reduce once with `total`."""
     if QTYPE == 12:
         part = _q4_k(wrow, rmask, kb, n_blocks, x_ptr, BM, NB)
     elif QTYPE == 14:
@@ -246,12 +242,42 @@ def step(wrow, rmask, kb, n_blocks, x_ptr, QTYPE: tl.constexpr, BM: tl.constexpr
 
 
 @triton.jit
+def zeros(QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
+    """A float32 accumulator of the shape `step` returns for this type."""
+    if QTYPE == 12 or QTYPE == 13:
+        acc = tl.zeros([BM, NB, 4, 32], dtype=tl.float32)
+    elif QTYPE == 14:
+        acc = tl.zeros([BM, NB, 8, 16], dtype=tl.float32)
+    elif QTYPE == 8:
+        acc = tl.zeros([BM, NB, 32], dtype=tl.float32)
+    elif QTYPE == 2 or QTYPE == 6:
+        acc = tl.zeros([BM, NB, 16], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, NB], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def total(acc, QTYPE: tl.constexpr):
+    """Sum an accumulator from `zeros` over everything but the row axis -> [BM]."""
+    if QTYPE == 12 or QTYPE == 13 or QTYPE == 14:
+        out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    elif QTYPE == 8 or QTYPE == 2 or QTYPE == 6:
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:
+        out = tl.sum(acc, axis=1)
+    return out
+
+
+@triton.jit
 def row_dot(wrow, rmask, x_ptr, N_BLOCKS: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
     """Full dot products of BM rows (`wrow` [BM] row pointers) with x [N_BLOCKS * BS] -> float32 [BM].
 
-    N_BLOCKS is a compile-time constant (a model has a handful of distinct K): static trip count.
+    Products are accumulated elementwise across K-steps and reduced once at the end (a reduction per
+    step would cost shared-memory round trips and barriers in the hot loop). N_BLOCKS is a compile-time
+    constant (a model has a handful of distinct K): static trip count.
     """
-    acc = tl.zeros([BM], dtype=tl.float32)
+    acc = zeros(QTYPE, BM, NB)
     for kb in range(0, N_BLOCKS, NB):
         acc += step(wrow, rmask, kb, N_BLOCKS, x_ptr, QTYPE, BM, NB)
-    return acc
+    return total(acc, QTYPE)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.triton.qblocks import row_dot, step
+from moerun.kernels.triton.qblocks import row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
 GEOMETRY: dict[int, tuple[int, int, torch.dtype | None]] = {
@@ -164,11 +164,13 @@ def _moe_gate_up_kernel(
     wg = wg_ptr + eid * stride_ge + r64 * stride_gm
     wu = wu_ptr + eid * stride_ue + r64 * stride_um
     if QG == QU and NBG == NBU:  # one loop: both matrices' bytes in flight each step
-        g = tl.zeros([BM], dtype=tl.float32)
-        u = tl.zeros([BM], dtype=tl.float32)
+        ga = zeros(QG, BM, NBG)
+        ua = zeros(QU, BM, NBU)
         for kb in range(0, NBLK_G, NBG):
-            g += step(wg, rmask, kb, NBLK_G, x_ptr, QG, BM, NBG)
-            u += step(wu, rmask, kb, NBLK_U, x_ptr, QU, BM, NBU)
+            ga += step(wg, rmask, kb, NBLK_G, x_ptr, QG, BM, NBG)
+            ua += step(wu, rmask, kb, NBLK_U, x_ptr, QU, BM, NBU)
+        g = total(ga, QG)
+        u = total(ua, QU)
     else:
         g = row_dot(wg, rmask, x_ptr, NBLK_G, QG, BM, NBG)
         u = row_dot(wu, rmask, x_ptr, NBLK_U, QU, BM, NBU)
