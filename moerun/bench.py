@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -377,7 +378,7 @@ def system_info(device: torch.device) -> dict[str, Any]:
     """moerun's git commit, GPU name and driver, torch / CUDA / triton versions, date."""
     here = Path(__file__).resolve().parent
     info: dict[str, Any] = {
-        "commit": _run(["git", "rev-parse", "HEAD"], here) or "unknown",
+        "commit": _run(["git", "rev-parse", "HEAD"], here) or os.environ.get("MOERUN_COMMIT", "unknown"),
         "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], here)),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None,
