@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from moerun.engine.device import pick_device, pick_dtype
 from moerun.engine.fast_decode import FastDecoder
 from moerun.engine.kv_cache import KVCache
+from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.errors import ContextOverflow, MoerunError, ShapeMismatch
 from moerun.gguf.reader import GGUFFile
 from moerun.kernels.ops import make_ops
@@ -68,6 +69,7 @@ class Engine:
         self.kv_dtype = pick_dtype(kv_dtype) if kv_dtype else (torch.float16 if on_cuda else self.dtype)
         self.cache = KVCache(self.cfg, self.n_ctx, self.device, self.kv_dtype)
         self.n_past = 0
+        self.sampler: Sampler | None = None  # None: greedy (argmax); see set_sampling
         self.fast: FastDecoder | None = None
         if fast if fast is not None else on_cuda:
             kernels = make_ops(ops or ("triton" if on_cuda else "torch"))
@@ -106,6 +108,18 @@ class Engine:
                                   f"but the context size is {self.n_ctx} (raise n_ctx, up to "
                                   f"{self.cfg.n_ctx_train}, or start a new sequence)")
 
+    def set_sampling(self, params: SamplingParams | None) -> None:
+        """Choose tokens with `params` from now on (prefill, decode, generate); None or greedy
+        params = argmax, the default. Restarts the sampler's step counter and its penalty history."""
+        if params is None or params.is_greedy:
+            self.sampler = None
+        else:
+            if self.sampler is None:
+                self.sampler = Sampler(self.cfg.n_vocab, self.device, n_ctx=self.n_ctx)
+            self.sampler.set(params)
+        if self.fast is not None:
+            self.fast.sampler = self.sampler
+
     def reset(self) -> None:
         """Forget every cached position (the cache tensors are reused)."""
         self.n_past = 0
@@ -132,9 +146,10 @@ class Engine:
         return logits
 
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int] | torch.Tensor) -> int:
-        """Run a prompt after the cached positions and return the token chosen to follow it."""
-        return self._choose(self.forward(tokens, last_only=True)[-1])
+    def prefill(self, tokens: Sequence[int] | torch.Tensor, *, pos: int | None = None) -> int:
+        """Run a prompt after the cached positions (or at `pos`, see `forward`) and return the token
+        chosen to follow it."""
+        return self._choose(self.forward(tokens, pos=pos, last_only=True)[-1])
 
     @torch.inference_mode()
     def decode(self, token: int) -> int:
@@ -150,12 +165,20 @@ class Engine:
         return int(next_id.item())
 
     def _choose(self, logits: torch.Tensor) -> int:
-        """logits: [V] -> greedy token id."""
-        return int(logits.argmax())
+        """logits: [V] -> the chosen token id (greedy, or the sampler's draw)."""
+        if self.sampler is None:
+            return int(logits.argmax())
+        out = torch.zeros(1, dtype=torch.long, device=logits.device)
+        return int(self.sampler.sample(logits.float(), out).item())
 
-    def generate(self, prompt: Sequence[int], n: int) -> Iterator[int]:
-        """Yield `n` tokens continuing `prompt` (prefilled from position 0), one decode step each."""
+    def generate(self, prompt: Sequence[int], n: int, sampling: SamplingParams | None = None) -> Iterator[int]:
+        """Yield `n` tokens continuing `prompt` (prefilled from position 0), one decode step each.
+        `sampling`: use these params (`set_sampling`); None keeps the current choice (greedy by default)."""
         self.reset()
+        if sampling is not None:
+            self.set_sampling(sampling)
+        if self.sampler is not None:
+            self.sampler.start(prompt)
         tok = self.prefill(prompt)
         for i in range(n):
             yield tok

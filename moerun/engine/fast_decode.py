@@ -73,6 +73,8 @@ class FastDecoder:
         self.route_w = torch.ones(K, **f32)                             # their weights
         self.h = torch.empty(K, F, **f32)
         self._weights(weights)
+        self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
+        self._graph_key: Any = None  # the sampler structure the graph was captured with
         self.graph: torch.cuda.CUDAGraph | None = None
         self.use_graph = use_graph and dev.type == "cuda"
 
@@ -156,9 +158,13 @@ class FastDecoder:
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)
-        self.ops.argmax(self.logits, self.next_id)
+        if self.sampler is None:
+            self.ops.argmax(self.logits, self.next_id)
+        else:
+            self.sampler.sample(self.logits, self.next_id)
 
     def _capture(self) -> None:
+        state = self.sampler.save_state() if self.sampler is not None else None
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -168,6 +174,9 @@ class FastDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._step()
+        if state is not None:  # the warm-up steps sampled: undo their counter and history updates
+            self.sampler.load_state(state)
+        self._graph_key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
 
     def run(self, token: int, pos: int) -> torch.Tensor:
         """Queue one step for `token` at `pos` (no host sync); returns the device next-id buffer [1]."""
@@ -177,7 +186,8 @@ class FastDecoder:
         if not self.use_graph:
             self._step()
             return self.next_id
-        if self.graph is None:
+        key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
+        if self.graph is None or key != self._graph_key:
             self._capture()  # its warm-up steps run this very step, so the replay below only repeats it
         self.graph.replay()
         return self.next_id
