@@ -25,6 +25,7 @@ for stage in "$@"; do
     kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee -a "$LOG" ;;
     micro) timeout 240 python3 benchmarks/bench_qmatvec.py 2>&1 | tee -a "$LOG" ;;
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep 2>&1 | tee -a "$LOG" ;;
+    exp) timeout 240 python3 benchmarks/exp_q4k.py 2>&1 | tee -a "$LOG" ;;
     attn) timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
     olmoe:*|qwen3:*)
       t=${stage#*:}; p=$([ "${stage%%:*}" = olmoe ] && echo olmoe-1b-7b || echo qwen3-30b-a3b)
