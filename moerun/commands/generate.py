@@ -52,10 +52,21 @@ def _float(lo: float | None = None, hi: float | None = None, *, lo_open: bool = 
 
 
 def one_line_errors(p: argparse.ArgumentParser) -> None:
-    """Make `p` report a bad command line as one line ('moerun generate: error: ...'), exit code 2."""
+    """Make the subcommand parser `p` report a bad command line as one line ('moerun generate: error: ...',
+    exit code 2), unknown flags included (argparse would leave those to the top-level parser)."""
     def error(message: str) -> None:
         p.exit(2, f"{p.prog}: error: {message} (see {p.prog} --help)\n")
+
+    parse_known = p.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        ns, extras = parse_known(args, namespace)
+        if extras:
+            error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
     p.error = error  # type: ignore[method-assign]
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 # -- shared flags -------------------------------------------------------------------------------------
