@@ -52,7 +52,7 @@ def main() -> None:
     n = args.steps
     print(f"\n{args.decode}: {wall * 1e3:.3f} ms/step wall, {total / n / 1e3:.3f} ms/step GPU busy, "
           f"{sum(v[1] for v in per.values()) / n:.0f} kernels/step")
-    print(f"| kernel | us/step | calls/step | share |\n|---|---:|---:|---:|")
+    print("| kernel | us/step | calls/step | share |\n|---|---:|---:|---:|")
     for name, (us, calls) in sorted(per.items(), key=lambda kv: -kv[1][0])[: args.top]:
         short = name if len(name) < 70 else name[:67] + "..."
         print(f"| `{short}` | {us / n:.1f} | {calls / n:.0f} | {100 * us / total:.1f}% |")

@@ -13,6 +13,8 @@ import torch
 
 from moerun.quant.qtensor import QTensor
 
+EXPERT_STACK_CACHE_BYTES = 64 << 20
+
 
 class DequantCache:
     """Returns weights in the compute dtype, caching whole tensors while they fit the budget."""
@@ -44,8 +46,12 @@ class DequantCache:
         return t if t is not None else w.dequantize(self.dtype)
 
     def expert(self, w: QTensor, e: int) -> torch.Tensor:
-        """One expert's matrix of a stacked [E, rows, cols] tensor: [rows, cols]."""
-        t = self._cached(w)
+        """One expert's matrix of a stacked [E, rows, cols] tensor: [rows, cols].
+
+        The whole stack is cached only when small (a token uses a few of many experts, so dequantizing
+        all of a large stack to serve one would waste time and memory)."""
+        small = math.prod(w.shape) * torch.finfo(self.dtype).bits // 8 <= EXPERT_STACK_CACHE_BYTES
+        t = self._cached(w) if small else self._cache.get(id(w))
         return t[e] if t is not None else w[e].dequantize(self.dtype)
 
     def rows(self, w: QTensor, ids: torch.Tensor) -> torch.Tensor:
