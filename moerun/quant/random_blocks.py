@@ -107,14 +107,11 @@ def _fill(
         for off in _F16_FIELDS[g]:
             out[:, off : off + 2] = _extreme_f16(n, rng)
         return
+    if g in _SIMPLE_D:  # d in [t/2, t) straight from random bytes: no float conversions (fast)
+        _random_f16_field(out[:, 0:2], scale / _SIMPLE_D[g])
+        return
     u = rng.uniform(0.5, 1.0, n)  # [n] per-block spread of magnitudes
-    if g == T.Q8_0:
-        out[:, 0:2] = _f16_bytes(scale * u / 127)
-    elif g == T.Q4_0:
-        out[:, 0:2] = _f16_bytes(scale * u / 8)
-    elif g == T.Q5_0:
-        out[:, 0:2] = _f16_bytes(scale * u / 16)
-    elif g == T.Q4_K:
+    if g == T.Q4_K:
         _set_k4(out, u, scale, 7.5)
     elif g == T.Q5_K:
         _set_k4(out, u, scale, 15.5)
@@ -122,7 +119,23 @@ def _fill(
         r = out[:, 192:208]  # [n, 16] random bytes, reused for the int8 sub-scales
         mag = ((r & 0x3F) | 0x40).view(np.int8)  # |scale| in [64, 127]
         out[:, 192:208] = np.where(r >= 0x80, -mag, mag).view(np.uint8)
-        out[:, 208:210] = _f16_bytes(scale * u / (127 * 32))
+        _random_f16_field(out[:, 208:210], scale / (127 * 32))
+
+
+# d = scale / this for the one-scale block types (max |q| of the type)
+_SIMPLE_D = {T.Q8_0: 127, T.Q4_0: 8, T.Q5_0: 16}
+
+
+def _random_f16_field(field: np.ndarray, target: float) -> None:
+    """Turn the random bytes of an fp16 field `[n, 2]` into positive values in [target/2, target):
+    the exponent of target/2 with the field's own random mantissa bits. Falls back to a float
+    conversion when target/2 is not a normal fp16 number."""
+    exp = int(np.floor(np.log2(target / 2))) + 15 if target > 0 else 0
+    if not 1 <= exp <= 30:
+        n = field.shape[0]
+        field[:] = _f16_bytes(target * np.linspace(0.5, 1.0, n, endpoint=False))
+        return
+    field[:, 1] = (field[:, 1] & 0x03) | (exp << 2)  # sign 0, exponent exp, mantissa random
 
 
 # byte offsets of the fp16 fields in each block type
