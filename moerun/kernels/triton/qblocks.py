@@ -45,13 +45,6 @@ def _f16(p, mask):
 
 
 @triton.jit
-def _u2f(u, bias: tl.constexpr):
-    """float32(u - bias) for small non-negative integers u (< 2^23), without an int->float convert:
-    the bits 0x4B000000 | u are the float 2^23 + u exactly (I2F is a quarter-rate instruction)."""
-    return (u.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
-
-
-@triton.jit
 def _blocks(wrow, rmask, kb, n_blocks, TYPE_SIZE: tl.constexpr, NB: tl.constexpr):
     """Block start pointers [BM, NB], their mask [BM, NB], block indices [NB] and block mask [NB]."""
     blk = kb + tl.arange(0, NB)  # [NB]
@@ -75,7 +68,7 @@ def _k4_scale_min(sp, s, m3):
     first = s3 < 4
     sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
     mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
-    return _u2f(sc, 0), _u2f(mn, 0)
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -97,8 +90,8 @@ def _q4_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)
     x_hi = tl.load(x_ptr + xi + 32, mask=xm, other=0.0)
     d3, m3f = d[:, :, None], dmin[:, :, None]
-    w_lo = (d3 * sc_lo)[:, :, :, None] * _u2f(q & 15, 0) - (m3f * mn_lo)[:, :, :, None]
-    w_hi = (d3 * sc_hi)[:, :, :, None] * _u2f(q >> 4, 0) - (m3f * mn_hi)[:, :, :, None]
+    w_lo = (d3 * sc_lo)[:, :, :, None] * (q & 15).to(tl.float32) - (m3f * mn_lo)[:, :, :, None]
+    w_hi = (d3 * sc_hi)[:, :, :, None] * (q >> 4).to(tl.float32) - (m3f * mn_hi)[:, :, :, None]
     return w_lo * x_lo[None] + w_hi * x_hi[None]  # [BM, NB, 4, 32]
 
 
@@ -126,8 +119,8 @@ def _q5_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)
     x_hi = tl.load(x_ptr + xi + 32, mask=xm, other=0.0)
     d3, m3f = d[:, :, None], dmin[:, :, None]
-    w_lo = (d3 * sc_lo)[:, :, :, None] * _u2f(q_lo, 0) - (m3f * mn_lo)[:, :, :, None]
-    w_hi = (d3 * sc_hi)[:, :, :, None] * _u2f(q_hi, 0) - (m3f * mn_hi)[:, :, :, None]
+    w_lo = (d3 * sc_lo)[:, :, :, None] * q_lo.to(tl.float32) - (m3f * mn_lo)[:, :, :, None]
+    w_hi = (d3 * sc_hi)[:, :, :, None] * q_hi.to(tl.float32) - (m3f * mn_hi)[:, :, :, None]
     return w_lo * x_lo[None] + w_hi * x_hi[None]  # [BM, NB, 4, 32]
 
 
@@ -151,8 +144,8 @@ def _q6_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     qh_off = hh * 32 + (g % 2) * 16  # [8]
     qh = tl.load(p4 + 128 + (qh_off[:, None] + i[None, :])[None, None], mask=m4, other=0).to(tl.int32)
     sh = (2 * (g // 2))[None, None, :, None]
-    q_lo = _u2f((ql & 15) | (((qh >> sh) & 3) << 4), 32)  # q - 32
-    q_hi = _u2f((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4), 32)
+    q_lo = ((ql & 15) | (((qh >> sh) & 3) << 4)) - 32
+    q_hi = ((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32
     w_lo = hh * 128 + g * 16  # [8] first weight of the low-nibble sub-block
     xi = blk[:, None, None] * 256 + w_lo[None, :, None] + i[None, None, :]  # [NB, 8, 16]
     xm = bmask[:, None, None]
@@ -163,8 +156,8 @@ def _q6_k(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     sc_lo = tl.load(sp + s_lo, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)  # [BM, NB, 8]
     sc_hi = tl.load(sp + s_lo + 4, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     d3 = d[:, :, None]
-    w_lo = (d3 * sc_lo)[:, :, :, None] * q_lo
-    w_hi = (d3 * sc_hi)[:, :, :, None] * q_hi
+    w_lo = (d3 * sc_lo)[:, :, :, None] * q_lo.to(tl.float32)
+    w_hi = (d3 * sc_hi)[:, :, :, None] * q_hi.to(tl.float32)
     return w_lo * x_lo[None] + w_hi * x_hi[None]  # [BM, NB, 8, 16]
 
 
@@ -176,7 +169,7 @@ def _q8_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     d = _f16(bp, m2)
     q = tl.load(bp[:, :, None] + 2 + i[None, None, :], mask=m2[:, :, None], other=0)  # [BM, NB, 32]
     x = tl.load(x_ptr + blk[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0)  # [NB, 32]
-    return (d[:, :, None] * _u2f(q ^ 0x80, 128)) * x[None]  # int8 q = (q ^ 0x80) - 128; [BM, NB, 32]
+    return (d[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)) * x[None]  # [BM, NB, 32]
 
 
 @triton.jit
@@ -191,7 +184,7 @@ def _q4_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)[None]
     x_hi = tl.load(x_ptr + xi + 16, mask=xm, other=0.0)[None]
     d3 = d[:, :, None]
-    return (d3 * _u2f(q & 15, 8)) * x_lo + (d3 * _u2f(q >> 4, 8)) * x_hi  # [BM, NB, 16]
+    return (d3 * ((q & 15) - 8).to(tl.float32)) * x_lo + (d3 * ((q >> 4) - 8).to(tl.float32)) * x_hi  # [BM,NB,16]
 
 
 @triton.jit
@@ -207,14 +200,14 @@ def _q5_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
     bit = (i % 8)[None, None, :]
     h_lo = tl.load(p3 + 2 + hb, mask=m3, other=0).to(tl.int32)  # qh byte of weight i
     h_hi = tl.load(p3 + 4 + hb, mask=m3, other=0).to(tl.int32)  # qh byte of weight 16 + i
-    q_lo = (q & 15) | (((h_lo >> bit) & 1) << 4)
-    q_hi = (q >> 4) | (((h_hi >> bit) & 1) << 4)
+    q_lo = ((q & 15) | (((h_lo >> bit) & 1) << 4)) - 16
+    q_hi = ((q >> 4) | (((h_hi >> bit) & 1) << 4)) - 16
     xi = blk[:, None] * 32 + i[None, :]
     xm = bmask[:, None]
     x_lo = tl.load(x_ptr + xi, mask=xm, other=0.0)[None]
     x_hi = tl.load(x_ptr + xi + 16, mask=xm, other=0.0)[None]
     d3 = d[:, :, None]
-    return (d3 * _u2f(q_lo, 16)) * x_lo + (d3 * _u2f(q_hi, 16)) * x_hi  # [BM, NB, 16]
+    return (d3 * q_lo.to(tl.float32)) * x_lo + (d3 * q_hi.to(tl.float32)) * x_hi  # [BM, NB, 16]
 
 
 @triton.jit
