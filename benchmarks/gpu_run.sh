@@ -24,6 +24,7 @@ for stage in "$@"; do
   case $stage in
     kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee -a "$LOG" ;;
     micro) timeout 240 python3 benchmarks/bench_qmatvec.py 2>&1 | tee -a "$LOG" ;;
+    micro:*) timeout 240 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" 2>&1 | tee -a "$LOG" ;;
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep 2>&1 | tee -a "$LOG" ;;
     exp) timeout 240 python3 benchmarks/exp_q4k.py 2>&1 | tee -a "$LOG" ;;
     attn) timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
