@@ -201,5 +201,9 @@ def run(args: argparse.Namespace) -> int:
     out.write("\n")
     out.flush()
     print_stats(model)
+    sampler = model.engine.sampler
+    if getattr(args, "verbose", False) and sampler is not None:
+        print(f"moerun: sampler seed {sampler.seed_value} (pass --seed {sampler.seed_value} to repeat this text)",
+              file=sys.stderr)
     model.close()
     return 0
