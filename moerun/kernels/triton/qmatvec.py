@@ -57,7 +57,10 @@ class Tile(NamedTuple):
 TILES: dict[tuple[str, int, int, int], Tile] = {}
 
 # Heuristic knobs (see default_tile).
-PROGRAMS_PER_SM = 16  # aim for at least this many programs per SM (measured: BM=2 beats BM=8 by 1.4x for Q4_K)
+# aim for at least this many programs per SM, per kernel kind. Measured on the H200 in one decode-step
+# profile (OLMoE Q4_K_M, benchmarks/NOTES.md section 5): 16 made gate/up 1.56x faster (BM 8 -> 2) but
+# down 1.26x and the plain matvec 1.12x slower (BM 2 -> 1), so only gate/up uses it.
+PROGRAMS_PER_SM = {"mv": 4, "gate_up": 16, "down": 4}
 MAX_BLOCK_M = 32
 WEIGHTS_PER_STEP = 4096  # weights decoded per program per K-step (all matrices of the program together)
 WEIGHTS_PER_THREAD = 32  # -> num_warps = weights per step / (32 * this), clamped to [2, 8]
@@ -91,7 +94,7 @@ def default_tile(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torc
     bs = GEOMETRY[qtype][0]
     n_blocks = k // bs
     rows = m * (n_sel if kind == "gate_up" else 1)
-    bm = min(MAX_BLOCK_M, _pow2_floor(rows // (PROGRAMS_PER_SM * sm_count(device))))
+    bm = min(MAX_BLOCK_M, _pow2_floor(rows // (PROGRAMS_PER_SM[kind] * sm_count(device))))
     bm = min(bm, triton.next_power_of_2(m))
     mats = 2 if kind == "gate_up" else 1
     nb = _pow2_floor(max(1, WEIGHTS_PER_STEP // (bm * bs * mats)))
