@@ -50,10 +50,18 @@ def _pack_k4_scales(out: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> None:
 
 
 def _set_k4(out: np.ndarray, u: np.ndarray, scale: float, q_mid: float) -> None:
-    """Fill d, dmin and packed scales of Q4_K/Q5_K so x = d*sc*(q - ~q_mid) spans about +-scale."""
-    d = (scale * u / (63 * q_mid)).astype(np.float16)  # [n]
-    out[:, 0:2] = _f16_bytes(d)
-    out[:, 2:4] = _f16_bytes(d.astype(np.float32) * q_mid)  # dmin = d * q_mid centres the values
+    """Fill d, dmin and packed scales of Q4_K/Q5_K so x = d*sc*(q - ~q_mid) spans about +-scale.
+
+    Fast path: d from the field's random bytes (see _random_f16_field) and dmin = d * 2^round(log2 q_mid)
+    by adding to the exponent bits: byte operations only, no float conversions."""
+    shift = round(np.log2(q_mid))
+    if _random_f16_field(out[:, 0:2], scale / (63 * q_mid), max_exp=30 - shift):
+        out[:, 2] = out[:, 0]
+        out[:, 3] = out[:, 1] + (shift << 2)  # same mantissa, exponent + shift
+    else:
+        d = (scale * u / (63 * q_mid)).astype(np.float16)  # [n]
+        out[:, 0:2] = _f16_bytes(d)
+        out[:, 2:4] = _f16_bytes(d.astype(np.float32) * q_mid)  # dmin = d * q_mid centres the values
     r = out[:, 4:12]  # [n, 8] random bytes, reused as the source of sub-scales
     sc = r | 0x20  # 6-bit scale in [32, 63] (bits 6-7 dropped by the packing)
     mn = sc ^ (r >> 6)  # min within 3 of the scale
@@ -107,10 +115,11 @@ def _fill(
         for off in _F16_FIELDS[g]:
             out[:, off : off + 2] = _extreme_f16(n, rng)
         return
-    if g in _SIMPLE_D:  # d in [t/2, t) straight from random bytes: no float conversions (fast)
-        _random_f16_field(out[:, 0:2], scale / _SIMPLE_D[g])
-        return
     u = rng.uniform(0.5, 1.0, n)  # [n] per-block spread of magnitudes
+    if g in _SIMPLE_D:  # d in [t/2, t) straight from random bytes when possible: no float conversions
+        if not _random_f16_field(out[:, 0:2], scale / _SIMPLE_D[g]):
+            out[:, 0:2] = _f16_bytes(scale * u / _SIMPLE_D[g])
+        return
     if g == T.Q4_K:
         _set_k4(out, u, scale, 7.5)
     elif g == T.Q5_K:
@@ -119,23 +128,23 @@ def _fill(
         r = out[:, 192:208]  # [n, 16] random bytes, reused for the int8 sub-scales
         mag = ((r & 0x3F) | 0x40).view(np.int8)  # |scale| in [64, 127]
         out[:, 192:208] = np.where(r >= 0x80, -mag, mag).view(np.uint8)
-        _random_f16_field(out[:, 208:210], scale / (127 * 32))
+        if not _random_f16_field(out[:, 208:210], scale / (127 * 32)):
+            out[:, 208:210] = _f16_bytes(scale * u / (127 * 32))
 
 
 # d = scale / this for the one-scale block types (max |q| of the type)
 _SIMPLE_D = {T.Q8_0: 127, T.Q4_0: 8, T.Q5_0: 16}
 
 
-def _random_f16_field(field: np.ndarray, target: float) -> None:
+def _random_f16_field(field: np.ndarray, target: float, max_exp: int = 30) -> bool:
     """Turn the random bytes of an fp16 field `[n, 2]` into positive values in [target/2, target):
-    the exponent of target/2 with the field's own random mantissa bits. Falls back to a float
-    conversion when target/2 is not a normal fp16 number."""
+    the exponent of target/2 with the field's own random mantissa bits. Returns False (field
+    untouched) when target/2 is not a normal fp16 number with exponent <= max_exp."""
     exp = int(np.floor(np.log2(target / 2))) + 15 if target > 0 else 0
-    if not 1 <= exp <= 30:
-        n = field.shape[0]
-        field[:] = _f16_bytes(target * np.linspace(0.5, 1.0, n, endpoint=False))
-        return
+    if not 1 <= exp <= max_exp:
+        return False
     field[:, 1] = (field[:, 1] & 0x03) | (exp << 2)  # sign 0, exponent exp, mantissa random
+    return True
 
 
 # byte offsets of the fp16 fields in each block type
