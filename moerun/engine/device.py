@@ -9,6 +9,7 @@ import torch
 from moerun.errors import MoerunError
 
 DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+KV_DTYPES = DTYPES | {"float16": torch.float16, "f16": torch.float16}  # the KV cache may also be float16
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
@@ -23,10 +24,10 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
-def pick_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """torch.float32 / torch.bfloat16 from a dtype or its name."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+def pick_dtype(dtype: str | torch.dtype, table: dict[str, torch.dtype] = DTYPES, what: str = "compute") -> torch.dtype:
+    """A torch dtype from a dtype or its name, among those of `table` (compute: float32 / bfloat16)."""
+    if isinstance(dtype, torch.dtype) and dtype in table.values():
         return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise MoerunError(f"unsupported compute dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if isinstance(dtype, str) and dtype in table:
+        return table[dtype]
+    raise MoerunError(f"unsupported {what} dtype {dtype!r}; use one of {', '.join(table)}")

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from moerun.engine.device import pick_device, pick_dtype
+from moerun.engine.device import KV_DTYPES, pick_device, pick_dtype
 from moerun.engine.fast_decode import FastDecoder
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.sampler import Sampler, SamplingParams
@@ -66,7 +66,8 @@ class Engine:
         self.model = Transformer(self.spec, self.cfg, weights, DequantCache(self.dtype, dequant_budget_bytes))
         self.n_ctx = self._context_size(n_ctx)
         on_cuda = self.device.type == "cuda"
-        self.kv_dtype = pick_dtype(kv_dtype) if kv_dtype else (torch.float16 if on_cuda else self.dtype)
+        self.kv_dtype = (pick_dtype(kv_dtype, KV_DTYPES, "KV cache") if kv_dtype
+                         else (torch.float16 if on_cuda else self.dtype))
         self.cache = KVCache(self.cfg, self.n_ctx, self.device, self.kv_dtype)
         self.n_past = 0
         self.sampler: Sampler | None = None  # None: greedy (argmax); see set_sampling

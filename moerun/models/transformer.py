@@ -22,10 +22,6 @@ class Transformer:
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, dequant: DequantCache) -> None:
         self.spec, self.cfg, self.w, self.dq = spec, cfg, weights, dequant
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.dq.dtype
-
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions pos0..pos0+T-1 -> logits [T, V] (or [1, V]) float32.
 
