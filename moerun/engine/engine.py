@@ -109,6 +109,9 @@ class Engine:
                                   f"but the context size is {self.n_ctx} (raise n_ctx, up to "
                                   f"{self.cfg.n_ctx_train}, or start a new sequence)")
 
+    def _out_of_vocab(self, token: int) -> MoerunError:
+        return MoerunError(f"token id {token} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
+
     def set_sampling(self, params: SamplingParams | None) -> None:
         """Choose tokens with `params` from now on (prefill, decode, generate); None or greedy
         params = argmax, the default. Restarts the sampler's step counter and its penalty history."""
@@ -141,7 +144,7 @@ class Engine:
         self._check(T, pos)
         bad = (ids < 0) | (ids >= self.cfg.n_vocab)
         if bool(bad.any()):
-            raise MoerunError(f"token id {int(ids[bad][0])} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
+            raise self._out_of_vocab(int(ids[bad][0]))
         logits = self.model.forward(ids, pos, self.cache, last_only=last_only)
         self.n_past = pos + T
         return logits
@@ -160,7 +163,7 @@ class Engine:
             return self._choose(self.forward([token], last_only=True)[-1])
         self._check(1, self.n_past)
         if not 0 <= token < self.cfg.n_vocab:
-            raise MoerunError(f"token id {token} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
+            raise self._out_of_vocab(token)
         next_id = self.fast.run(token, self.n_past)
         self.n_past += 1
         return int(next_id.item())
