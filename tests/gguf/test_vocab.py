@@ -21,6 +21,27 @@ HEAD_DIM = E // N_HEAD
 RMS_EPS, ROPE_BASE = 1e-5, 10000.0
 
 
+def _write_llama(path: Path, n_vocab: int, tensors: dict[str, np.ndarray], seed: int = 0) -> None:
+    """A one-block llama GGUF: the tiny model's metadata, a BPE vocabulary and `tensors` (by GGUF name)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(N_CTX)
+    writer.add_embedding_length(E)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_KV)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_rope_freq_base(ROPE_BASE)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_bpe_vocab(writer, n_vocab, seed=seed)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_llama(path: Path, n_vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Write a one-block llama GGUF with random F32 weights; returns the weights by GGUF name.
 
@@ -49,23 +70,7 @@ def write_tiny_llama(path: Path, n_vocab: int, seed: int = 0) -> dict[str, np.nd
         "output_norm.weight": norm(),
         "output.weight": mat(n_vocab, E),  # [V, E]
     }
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(N_CTX)
-    writer.add_embedding_length(E)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_KV)
-    writer.add_layer_norm_rms_eps(RMS_EPS)
-    writer.add_rope_freq_base(ROPE_BASE)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_bpe_vocab(writer, n_vocab, seed=seed)
-    for name, array in weights.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_llama(path, n_vocab, weights, seed)
     return weights
 
 
@@ -200,20 +205,7 @@ def test_tiny_llama_loads_in_llamacpp(tmp_path: Path, n_vocab: int) -> None:
 def test_llamacpp_load_failure_carries_its_log(tmp_path: Path) -> None:
     """A file missing most tensors fails with llama.cpp's reason attached."""
     bad = tmp_path / "missing-tensor.gguf"
-    writer = gguf.GGUFWriter(str(bad), "llama")
-    writer.add_context_length(N_CTX)
-    writer.add_embedding_length(E)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_KV)
-    writer.add_layer_norm_rms_eps(RMS_EPS)
-    add_bpe_vocab(writer, 300)
-    writer.add_tensor("token_embd.weight", np.zeros((300, E), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_llama(bad, 300, {"token_embd.weight": np.zeros((300, E), np.float32)})
     with pytest.raises(llamacpp.LlamaCppError, match="error loading model"):
         llamacpp.llamacpp_logits(str(bad), [1, 2])
 
