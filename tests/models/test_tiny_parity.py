@@ -37,7 +37,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module", params=[(a, q) for a in TINY for q in QTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(arch key, qtype, gguf path, HF logits [T, V], tokens [T])."""
+    """(arch key, qtype, gguf path, HF logits [T, V], tokens [T], seed, moerun prefill logits [T, V])."""
     arch, qtype = request.param
     seed = int(np.random.default_rng().integers(1 << 31))
     model = TINY[arch](seed)
@@ -47,30 +47,27 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     tokens = torch.as_tensor(np.random.default_rng(seed).integers(0, vocab - 2, N_TOKENS))  # [T]
     with torch.no_grad():
         ref = model(tokens[None]).logits[0].float()  # [T, V]
-    return arch, qtype, path, ref, tokens, seed
+    got = Engine(path, **ENGINE_KW).forward(tokens).cpu()  # [T, V]
+    return arch, qtype, path, ref, tokens, seed, got
 
 
 def test_logits_match_transformers(case) -> None:
-    arch, qtype, path, ref, tokens, seed = case
-    got = Engine(path, **ENGINE_KW).forward(tokens)
+    arch, qtype, path, ref, tokens, seed, got = case
     err = rel_err(got, ref)
     assert err < 1e-4, f"{arch}/{qtype} (seed {seed}): max relative logit error {err:.2e}"
 
 
 def test_greedy_matches_transformers_where_clear(case) -> None:
-    arch, qtype, path, ref, tokens, seed = case
-    got = Engine(path, **ENGINE_KW).forward(tokens)
+    arch, qtype, path, ref, tokens, seed, got = case
     top2 = ref.topk(2, dim=-1).values  # [T, 2]
     clear = (top2[:, 0] - top2[:, 1]) > 1e-3
     assert clear.sum() >= N_TOKENS // 2, "test model too flat to compare greedy choices"
-    assert torch.equal(got.cpu().argmax(-1)[clear], ref.argmax(-1)[clear]), f"{arch}/{qtype} seed {seed}"
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), f"{arch}/{qtype} seed {seed}"
 
 
 def test_decode_and_continuation_equal_prefill(case) -> None:
-    arch, qtype, path, ref, tokens, seed = case
+    arch, qtype, path, ref, tokens, seed, prefill = case
     eng = Engine(path, **ENGINE_KW)
-    prefill = eng.forward(tokens)
-    eng.reset()
     steps = torch.cat([eng.forward(tokens[i: i + 1]) for i in range(N_TOKENS)])  # [T, V]
     assert rel_err(steps, prefill) < 1e-5
     eng.reset()
