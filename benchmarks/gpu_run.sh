@@ -3,7 +3,8 @@
 #   benchmarks/gpu_run.sh kernels micro olmoe:q4_k_m tests
 # Stages: kernels (Triton kernel + dequant tests on CUDA), micro (kernel micro-benchmarks),
 #   olmoe:TYPE (synthesize the full-size OLMoE file, profile and bench reference vs fast decode),
-#   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B).
+#   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B),
+#   prefill:TYPE (prefill variants, profile and pp512/pp4096 of OLMoE), prefilltests (GEMM + prefill tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
@@ -40,6 +41,17 @@ for stage in "$@"; do
       [ -n "${REFERENCE:-}" ] && bench "$f" "$p-$t-reference" -p 512 -n 32 -r 2 --decode reference
       bench "$f" "$p-$t-fast" -p 512 -n 128 -r 5 -d 0,4096 --decode fast
       rm -f "$f" ;;
+    prefill:*)  # prefill variants + kernel profile, then the bench's pp512 / pp4096
+      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
+      timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
+      timeout 400 python3 benchmarks/bench_prefill.py "$f" --profile ${PREFILL_VARIANTS:+--variants "$PREFILL_VARIANTS"} \
+        2>&1 | grep -v "loading to" | tee -a "$LOG"
+      bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n 0 -r 5
+      rm -f "$f" ;;
+    prefilltests)
+      timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG"
+      MOERUN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/engine/test_fast_prefill.py 2>&1 | tail -5 \
+        | tee -a "$LOG" ;;
     tests)
       MOERUN_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q tests/models tests/engine -k "not llamacpp" 2>&1 \
         | tail -15 | tee -a "$LOG" ;;

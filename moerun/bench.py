@@ -274,6 +274,13 @@ def run_test(engine: Engine, spec: TestSpec, reps: int, warmup: int = 1, seed: i
 # ---- the whole run -----------------------------------------------------------------------------
 
 
+def _dtypes(engine: Engine) -> str:
+    """"float32" or, with fast prefill, "float32, prefill bfloat16": the dtypes the tests multiply in."""
+    dt = str(engine.dtype).removeprefix("torch.")
+    p = engine.prefiller
+    return dt if p is None else f"{dt}, prefill {'float32' if p.exact else 'bfloat16'}"
+
+
 def weight_path(engine: Engine) -> str:
     """"Q4_K:torch-dequant Q6_K:torch-dequant": the kernel path of each type matrices use."""
     types = sorted({t.type_name for t in engine.file.tensors.values() if len(t.shape) >= 2})
@@ -304,7 +311,7 @@ def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int =
         size_bytes=sum(t.n_bytes for t in file.tensors.values()),
         params=sum(math.prod(t.shape) for t in file.tensors.values()),
         backend="CUDA" if engine.device.type == "cuda" else engine.device.type.upper(),
-        device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+        device=str(engine.device), dtype=_dtypes(engine),
         kernel_paths=engine.kernel_paths(), bandwidth=bw, system=system_info(engine.device))
     for spec in tests:
         times = run_test(engine, spec, reps, warmup, seed)
@@ -312,7 +319,7 @@ def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int =
         med = statistics.median(tps)
         r = TestResult(test=spec.name, kind=spec.kind, n=spec.n, depth=spec.depth, times_s=times, tps=tps,
                        tps_median=med, tps_std=statistics.stdev(tps) if len(tps) > 1 else 0.0,
-                       bytes_per_token=0.0, gbps=0.0, path=path)
+                       bytes_per_token=0.0, gbps=0.0, path=path if spec.kind == "tg" else engine.prefill_path())
         if spec.kind == "tg":
             r.bytes_per_token = tg_bytes_per_token(file, cfg, elem, spec.depth, spec.n)
             r.roofline_tps = bw["gbps"] * 1e9 / r.bytes_per_token

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
     p.add_argument("--output-file", metavar="PATH", help="also write the full JSON report to PATH")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: $MOERUN_DEVICE, else CUDA if present)")
-    p.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default float32)")
+    p.add_argument("--dtype", default=None,
+                   help="compute dtype: float32 or bfloat16 (default float32 activations, bf16 prefill GEMMs on CUDA)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; fewer helps on a busy machine)")
     p.add_argument("--bandwidth-gib", type=float, default=1.0,
@@ -43,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", choices=list(DECODE_PATHS), default="auto",
                    help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
                         "(eager), plain torch (reference); default auto = fast on CUDA, reference on CPU")
+    p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
+                   help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
+                        "default auto = fast on CUDA, reference on CPU")
+    p.add_argument("--prefill-dtype", default=None,
+                   help="matrix inputs of the fast prefill: bfloat16 (default on CUDA) or float32 (exact)")
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -77,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     path = _model_path(args)
     need = max(t.depth + t.n for t in tests)
-    engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need, **DECODE_PATHS[args.decode])
+    prefill = {} if args.prefill == "auto" else {"prefill": args.prefill}
+    engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need, prefill_dtype=args.prefill_dtype,
+                    **prefill, **DECODE_PATHS[args.decode])
     try:
         report = bench.bench(engine, tests, reps=args.repetitions, warmup=args.warmup, seed=args.seed,
                              bandwidth_bytes=int(args.bandwidth_gib * bench.GiB))

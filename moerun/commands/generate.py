@@ -80,8 +80,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (default 0 = the model's training context, at most 4096)")
     p.add_argument("--device", default=None,
                    help="cuda, cuda:1 or cpu (default: $MOERUN_DEVICE, else CUDA when present, else cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "f32", "bfloat16", "bf16"],
-                   help="compute dtype (default float32)")
+    p.add_argument("--dtype", default=None, choices=["float32", "f32", "bfloat16", "bf16"],
+                   help="compute dtype (default float32 activations; on CUDA prompts multiply in bf16)")
     p.add_argument("-t", "--threads", type=_int(1), default=None, metavar="N",
                    help="CPU threads for torch (default: torch's choice)")
 

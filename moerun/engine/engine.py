@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from moerun.engine.device import KV_DTYPES, pick_device, pick_dtype
 from moerun.engine.fast_decode import FastDecoder
+from moerun.engine.fast_prefill import DEFAULT_CHUNK, FastPrefill
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.errors import ContextOverflow, MoerunError, ShapeMismatch
@@ -41,7 +42,7 @@ class Engine:
         path: str | os.PathLike,
         *,
         device: str | torch.device | None = None,
-        dtype: str | torch.dtype = torch.float32,
+        dtype: str | torch.dtype | None = None,
         n_ctx: int | None = None,
         dequant_budget_bytes: int = DEFAULT_DEQUANT_BUDGET,
         progress: bool | None = None,
@@ -49,14 +50,22 @@ class Engine:
         fast: bool | None = None,
         ops: str | None = None,
         graph: bool = True,
+        prefill: str | None = None,
+        prefill_dtype: str | torch.dtype | None = None,
+        prefill_chunk: int = DEFAULT_CHUNK,
     ) -> None:
-        """Load `path`. device: "cuda"/"cpu"/None (auto). dtype: compute dtype (float32 or bf16).
+        """Load `path`. device: "cuda"/"cpu"/None (auto). dtype: compute dtype (float32 or bf16; default
+        float32, except that fast prefill on CUDA then multiplies in bf16, see prefill_dtype).
         kv_dtype: KV cache dtype (default float16 on CUDA, else the compute dtype). fast: use the fused
         decode step (default: on CUDA). ops: "triton" or "torch" kernels for it (default: triton on
-        CUDA). graph: replay the fast step as one CUDA graph (CUDA only; False = eager, for debugging)."""
+        CUDA). graph: replay the fast step as one CUDA graph (CUDA only; False = eager, for debugging).
+        prefill: "fast" (batched Triton GEMMs, default on CUDA) or "reference" (the plain-torch
+        forward, default elsewhere) for prompts. prefill_dtype: matrix inputs of fast prefill,
+        bfloat16 (tensor cores) or float32 (exact); default: `dtype` when given, else bfloat16 on CUDA. prefill_chunk: tokens per
+        fast-prefill pass (longer prompts run in chunks)."""
         self.file = GGUFFile(path)
         self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype)
+        self.dtype = pick_dtype(dtype or torch.float32)
         self.spec = arch_spec(self.file.architecture, file=str(self.file.path))
         self.cfg: ModelConfig = read_config(self.file, self.spec, self._n_vocab())
         weights = load_weights(self.file, self.spec, self.cfg)
@@ -75,6 +84,18 @@ class Engine:
         if fast if fast is not None else on_cuda:
             kernels = make_ops(ops or ("triton" if on_cuda else "torch"))
             self.fast = FastDecoder(self.spec, self.cfg, weights, self.cache, kernels, use_graph=graph)
+        self.prefiller: FastPrefill | None = None
+        mode = prefill or ("fast" if on_cuda else "reference")
+        if mode not in ("fast", "reference"):
+            raise MoerunError(f"unknown prefill path {prefill!r}; use 'fast' or 'reference'")
+        if prefill_chunk <= 0:
+            raise MoerunError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if mode == "fast":
+            if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise MoerunError("the fast prefill path needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+            pdt = pick_dtype(prefill_dtype or dtype or (torch.bfloat16 if on_cuda else torch.float32))
+            self.prefiller = FastPrefill(self.spec, self.cfg, weights, self.cache, exact=pdt == torch.float32,
+                                         chunk=prefill_chunk)
 
     def _context_size(self, n_ctx: int | None) -> int:
         train = self.cfg.n_ctx_train
@@ -145,7 +166,10 @@ class Engine:
         bad = (ids < 0) | (ids >= self.cfg.n_vocab)
         if bool(bad.any()):
             raise self._out_of_vocab(int(ids[bad][0]))
-        logits = self.model.forward(ids, pos, self.cache, last_only=last_only)
+        if self.prefiller is not None:
+            logits = self.prefiller.forward(ids, pos, last_only=last_only)
+        else:
+            logits = self.model.forward(ids, pos, self.cache, last_only=last_only)
         self.n_past = pos + T
         return logits
 
@@ -205,6 +229,12 @@ class Engine:
             has = getattr(fast.ops, "has_kernel", None)
             return fast.ops.name if has is None or has(ggml_type) else "torch-dequant (no fused kernel)"
         return {name: path(t) for name, t in sorted(entries.items())}
+
+    def prefill_path(self) -> str:
+        """How prompts run: "triton-gemm (bf16 inputs)", "triton-gemm (float32)" or "torch-dequant"."""
+        if self.prefiller is None:
+            return "torch-dequant"
+        return "triton-gemm (float32)" if self.prefiller.exact else "triton-gemm (bf16 inputs)"
 
     def close(self) -> None:
         self.file.close()

@@ -41,7 +41,7 @@ def model_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.mark.parametrize("ops", OPS)
 def test_fast_steps_match_reference(model_file, ops: str, graph: bool) -> None:
     path, tokens = model_file
-    kw = dict(device=TEST_DEVICE, kv_dtype="float32")
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     ref = Engine(path, fast=False, **kw).forward(tokens)  # [T, V]
     eng = Engine(path, fast=True, ops=ops, graph=graph, **kw)
     for i, tok in enumerate(tokens):
@@ -54,7 +54,7 @@ def test_fast_steps_match_reference(model_file, ops: str, graph: bool) -> None:
 
 def test_generate_same_tokens_fast_and_reference(model_file) -> None:
     path, tokens = model_file
-    kw = dict(device=TEST_DEVICE, kv_dtype="float32")
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     ref = Engine(path, fast=False, **kw).generate_greedy(tokens[:5], 12)
     fast = Engine(path, fast=True, ops="torch", **kw).generate_greedy(tokens[:5], 12)
     assert fast == ref

@@ -107,7 +107,7 @@ def test_bf16_compute_close_to_float32(arch: str, tmp_path: Path) -> None:
     write_gguf(model, path, qtype="q8_0")
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size - 2, N_TOKENS).tolist()
     f32 = Engine(path, **ENGINE_KW).forward(tokens).cpu()
-    bf16 = Engine(path, **ENGINE_KW, dtype="bf16").forward(tokens).cpu()
+    bf16 = Engine(path, **{**ENGINE_KW, "dtype": "bf16"}).forward(tokens).cpu()
     assert bf16.dtype == torch.float32  # logits come back in float32 whatever the compute dtype
     per_pos = (bf16 - f32).abs().max(-1).values / f32.abs().max()  # [T]
     if not model.config.to_dict().get("num_local_experts", model.config.to_dict().get("num_experts")):

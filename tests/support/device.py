@@ -6,6 +6,6 @@ import os
 
 TEST_DEVICE = os.environ.get("MOERUN_TEST_DEVICE", "cpu")
 
-# Engine arguments for tests that compare against float32 references: a float32 KV cache everywhere
-# (on CUDA the default cache is float16).
-ENGINE_KW: dict = {"device": TEST_DEVICE, "kv_dtype": "float32"}
+# Engine arguments for tests that compare against float32 references: float32 compute and KV cache
+# everywhere (on CUDA the default cache is float16 and fast prefill multiplies in bf16).
+ENGINE_KW: dict = {"device": TEST_DEVICE, "dtype": "float32", "kv_dtype": "float32"}

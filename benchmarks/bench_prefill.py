@@ -1,0 +1,109 @@
+"""Prompt-processing variants on one model file, timed in one run (for benchmarks/NOTES.md).
+
+    python benchmarks/bench_prefill.py MODEL.gguf [--tokens 512,4096] [--reps 5] [--profile]
+
+For each variant (GEMM tiles, fused vs per-layer-dequantized expert weights, bf16 vs float32
+matrix inputs) times Engine.forward of N random tokens from position 0 (last-token logits, what
+`moerun bench`'s ppN runs), median of --reps after a warm-up, and prints a table; --profile adds the
+GPU time by kernel of one 512-token prefill with the default variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moerun.engine import fast_prefill as fp
+from moerun.engine.engine import Engine
+from moerun.kernels.triton.qgemm import GemmTile
+
+VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPrefill options)
+    "default": {},
+    "moe bn128": {"tiles": {"gate_up": GemmTile(64, 128, 4, 2), "down": GemmTile(64, 128, 4, 2)}},
+    "moe bm32": {"tiles": {"gate_up": GemmTile(32, 64, 4, 2), "down": GemmTile(32, 64, 4, 2)}},
+    "moe 8 warps bn128 s3": {"tiles": {"gate_up": GemmTile(64, 128, 8, 3), "down": GemmTile(64, 128, 8, 3)}},
+    "dense bm128 bn128": {"tiles": {"dense": GemmTile(128, 128, 8, 3)}},
+    "experts dequant": {"experts": "dequant"},
+    "float32 exact": {"exact": True},
+}
+
+
+def time_prefill(eng: Engine, n: int, reps: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, eng.cfg.n_vocab, (n,), generator=gen).tolist()
+    times = []
+    for i in range(reps + 1):
+        eng.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.forward(toks, last_only=True)
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tokens", default="512,4096")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.tokens.split(",")]
+    eng = Engine(args.model, fast=False, prefill="fast", n_ctx=max(counts) + 16)
+    base_tiles = dict(fp.TILES)
+    rows = []
+    for name in args.variants.split(","):
+        v = VARIANTS[name]
+        fp.TILES.clear()
+        fp.TILES.update(base_tiles | v.get("tiles", {}))
+        p = eng.prefiller
+        p.exact = v.get("exact", False)
+        p.act_dtype = torch.float32 if p.exact else torch.bfloat16
+        p.experts = v.get("experts", "fused")
+        try:
+            res = [n / time_prefill(eng, n, args.reps) for n in counts]
+        except Exception as e:  # a tile that does not compile here: show it, keep going
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}")
+            res = [float("nan")] * len(counts)
+        rows.append((name, res))
+        print(name, " ".join(f"pp{n}={r:,.0f}" for n, r in zip(counts, res, strict=True)), flush=True)
+    fp.TILES.clear()
+    fp.TILES.update(base_tiles)
+    p = eng.prefiller
+    p.exact, p.act_dtype, p.experts = False, torch.bfloat16, "fused"
+    if args.profile:
+        toks = list(range(1, 513))
+        eng.reset()
+        eng.forward(toks, last_only=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.reset()
+            eng.forward(toks, last_only=True)
+            torch.cuda.synchronize()
+        agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                a = agg[ev.name[:60]]
+                a[0] += ev.device_time_total
+                a[1] += 1
+        total = sum(a[0] for a in agg.values())
+        print(f"\nGPU time of one 512-token prefill: {total / 1e3:.2f} ms")
+        print("| kernel | ms | calls | share |\n|---|---:|---:|---:|")
+        for k, (us, c) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:15]:
+            print(f"| `{k}` | {us / 1e3:.3f} | {c} | {100 * us / total:.1f}% |")
+    print("\n| variant | " + " | ".join(f"pp{n} t/s" for n in counts) + " |")
+    print("|---|" + "---:|" * len(counts))
+    for name, res in rows:
+        print(f"| {name} | " + " | ".join(f"{r:,.0f}" for r in res) + " |")
+
+
+if __name__ == "__main__":
+    main()

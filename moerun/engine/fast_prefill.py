@@ -1,0 +1,202 @@
+"""Fast prompt processing: every token of a chunk at once through batched kernels.
+
+Per layer: the projections are quantized GEMMs (weights decoded tile by tile inside the kernel,
+kernels/triton/qgemm.py), the routed experts a grouped GEMM over the tokens sorted by expert on the
+device (no host sync), and attention torch's scaled_dot_product_attention (flash / memory-efficient
+kernels) over the KV cache, which the chunk's keys and values are written into first. Norms, RoPE and
+routing are the reference's own torch functions (elementwise work, a few launches per layer).
+
+Long prompts run in chunks of `chunk` tokens (each continues the cache like a multi-turn prompt), so
+intermediate buffers stay bounded whatever the prompt length.
+
+Numerics: `exact` multiplies in float32 (tensor cores in "ieee" mode: the reference's precision);
+otherwise matrix inputs are rounded to bf16 with float32 accumulation, as the reference's bf16 mode.
+The residual stream, norms, softmax and routing are float32 in both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moerun.engine.kv_cache import KVCache
+from moerun.kernels import reference as ref
+from moerun.kernels.triton import qgemm as qg
+from moerun.models.config import ModelConfig
+from moerun.models.spec import ArchSpec
+from moerun.models.weights import ModelWeights
+from moerun.quant.qtensor import QTensor
+from moerun.quant.registry import dequantize
+
+DEFAULT_CHUNK = 2048
+
+# Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs).
+TILES: dict[str, qg.GemmTile] = {
+    "dense": qg.GemmTile(64, 64, 4, 2),
+    "gate_up": qg.GemmTile(64, 64, 4, 2),
+    "down": qg.GemmTile(64, 64, 4, 2),
+}
+
+
+def _raw(w: Any) -> tuple[torch.Tensor, int]:
+    assert isinstance(w, QTensor), "matrices stay quantized"
+    return w.raw, int(w.qtype.ggml)
+
+
+class FastPrefill:
+    """Batched forward of prompt chunks for one model and one KV cache."""
+
+    def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
+                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused") -> None:
+        """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
+        each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
+        the same GEMM on those (the alternative benchmarks/bench_prefill.py measures)."""
+        self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
+        self.exact = exact
+        if experts not in ("fused", "dequant"):
+            raise ValueError(f"experts must be 'fused' or 'dequant', got {experts!r}")
+        self.experts = experts
+        self.chunk = chunk
+        self.act_dtype = torch.float32 if exact else torch.bfloat16  # dtype of matrix inputs
+
+    # --- products -------------------------------------------------------------------------------
+
+    def _linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        """x [T, K] (act dtype) @ W^T -> [T, M] float32."""
+        raw, qtype = _raw(w)
+        if raw.dim() > 2:
+            raw = raw.reshape(-1, raw.shape[-1])
+        out = torch.empty(x.shape[0], raw.shape[0], device=x.device, dtype=torch.float32)
+        return qg.qgemm(x, raw, qtype, out, exact=self.exact, tile=TILES["dense"])
+
+    def _ffn(self, L: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 -> [T, N] float32."""
+        cfg = self.cfg
+        T = x.shape[0]
+        if cfg.is_moe:
+            router = L["ffn_gate_inp"]  # [E, N] float32
+            route_w, ids = ref.route(x @ router.T, cfg.n_expert_used, cfg.expert_weights_norm)  # [T, K]
+            gate, up, down = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
+            n_expert = cfg.n_expert
+        else:
+            ids = torch.zeros(T, 1, dtype=torch.int32, device=x.device)
+            route_w = torch.ones(T, 1, dtype=torch.float32, device=x.device)
+            gate, up, down = L["ffn_gate"], L["ffn_up"], L["ffn_down"]
+            n_expert = 1
+        (wg, qgt), (wu, qut), (wd, qdt) = _raw(gate), _raw(up), _raw(down)
+        if wg.dim() == 2:  # dense: [1, rows, row_bytes]
+            wg, wu, wd = wg[None], wu[None], wd[None]
+        if self.experts == "dequant":
+            (wg, qgt), (wu, qut), (wd, qdt) = (self._dequant(w) for w in (gate, up, down))
+        t_gu, t_dn = TILES["gate_up"], TILES["down"]
+        assert t_gu.block_m == t_dn.block_m, "gate/up and down share the routing's BLOCK_M"
+        routing = qg.moe_align(ids, n_expert, t_gu.block_m)
+        xa = x.to(self.act_dtype)
+        h = torch.empty(routing.rows.shape[0], wg.shape[1], device=x.device, dtype=self.act_dtype)  # [P, F]
+        qg.moe_gate_up(xa, wg, wu, qgt, qut, routing, h, self.spec.act, exact=self.exact, tile=t_gu)
+        y = torch.empty(ids.numel(), wd.shape[1], device=x.device, dtype=torch.float32)  # [T*K, N]
+        qg.moe_down(h, wd, qdt, routing, route_w.reshape(-1).float().contiguous(), y, exact=self.exact,
+                    tile=t_dn)
+        return y.view(T, ids.shape[1], -1).sum(1)
+
+    def _dequant(self, w: QTensor) -> tuple[torch.Tensor, int]:
+        """A whole (expert) matrix dequantized, as typed rows the GEMM reads: ([E, M, K] bytes view, type)."""
+        dt, qtype = (torch.float32, 0) if self.exact else (torch.bfloat16, 30)
+        t = w.dequantize(dt)
+        t = t if t.dim() == 3 else t[None]
+        return t.view(torch.uint8), qtype
+
+    # --- attention ------------------------------------------------------------------------------
+
+    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos0: int, window: int
+                ) -> torch.Tensor:
+        """q [T, H, D] float32 at positions pos0.., cache rows [S, Hkv, D] -> [T, H, Dv] float32."""
+        T, H, _ = q.shape
+        S, Hkv = k_all.shape[0], k_all.shape[1]
+        dt = torch.float32 if self.exact or k_all.dtype == torch.float32 else k_all.dtype
+        qh = q.transpose(0, 1).to(dt)[None]  # [1, H, T, D]
+        kh = k_all.transpose(0, 1).to(dt)
+        vh = v_all.transpose(0, 1).to(dt)
+        if Hkv != H:
+            kh = kh.repeat_interleave(H // Hkv, dim=0)
+            vh = vh.repeat_interleave(H // Hkv, dim=0)
+        kh, vh = kh[None], vh[None]  # [1, H, S, D]
+        if window:
+            qp = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+            kp = torch.arange(S, device=q.device)[None, :]
+            mask = (kp <= qp) & (qp - kp < window)  # [T, S] True = attend
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.cfg.attn_scale)
+        elif pos0 == 0:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.cfg.attn_scale)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(T, S),
+                                               scale=self.cfg.attn_scale)
+        return o[0].transpose(0, 1).float()  # [T, H, Dv]
+
+    def _attention(self, i: int, L: dict[str, Any], x: torch.Tensor, pos0: int,
+                   rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        cfg, spec = self.cfg, self.spec
+        T = x.shape[0]
+        xa = x.to(self.act_dtype)
+        q = self._linear(xa, L["attn_q"])  # [T, H*D]
+        k = self._linear(xa, L["attn_k"])  # [T, Hkv*D]
+        v = self._linear(xa, L["attn_v"])  # [T, Hkv*Dv]
+        if spec.qk_norm == "full":
+            q = ref.rms_norm(q, L["attn_q_norm"], cfg.rms_eps)
+            k = ref.rms_norm(k, L["attn_k_norm"], cfg.rms_eps)
+        q = q.view(T, cfg.n_head, cfg.head_dim)
+        k = k.view(T, cfg.n_head_kv, cfg.head_dim)
+        v = v.view(T, cfg.n_head_kv, cfg.head_dim_v)
+        if spec.qk_norm == "head":
+            q = ref.rms_norm(q, L["attn_q_norm"], cfg.rms_eps)
+            k = ref.rms_norm(k, L["attn_k_norm"], cfg.rms_eps)
+        swa = cfg.swa_layers[i]
+        cos, sin = rope[swa]
+        q = ref.apply_rope(q, cos, sin, spec.rope_style)
+        k = ref.apply_rope(k, cos, sin, spec.rope_style)
+        self.cache.write(i, pos0, k, v)
+        k_all, v_all = self.cache.read(i, pos0 + T)
+        o = self._attend(q, k_all, v_all, pos0, cfg.sliding_window if swa else 0)
+        return self._linear(o.reshape(T, -1).to(self.act_dtype), L["attn_output"])  # [T, N]
+
+    # --- forward --------------------------------------------------------------------------------
+
+    def _chunk(self, tokens: torch.Tensor, pos0: int, last_only: bool) -> torch.Tensor:
+        cfg, spec, g = self.cfg, self.spec, self.w.globals
+        T = tokens.shape[0]
+        pos = torch.arange(pos0, pos0 + T, device=tokens.device)
+        factors = g.get("rope_freqs")
+        rope = {False: ref.rope_angles(pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors),
+                True: ref.rope_angles(pos, cfg.rope_dim, cfg.rope_base_swa, 1.0, factors)}
+        embd = g["token_embd"]
+        x = dequantize(embd.raw.index_select(0, tokens), int(embd.qtype.ggml), (T, cfg.n_embd))  # [T, N] f32
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        for i, L in enumerate(self.w.layers):
+            h = self._attention(i, L, ref.rms_norm(x, L["attn_norm"], cfg.rms_eps), pos0, rope)
+            if spec.post_norms:
+                h = ref.rms_norm(h, L["post_attention_norm"], cfg.rms_eps)
+            x = x + h
+            m = self._ffn(L, ref.rms_norm(x, L["ffn_norm"], cfg.rms_eps))
+            if spec.post_norms:
+                m = ref.rms_norm(m, L["post_ffw_norm"], cfg.rms_eps)
+            x = x + m
+        if last_only:
+            x = x[-1:]
+        x = ref.rms_norm(x, g["output_norm"], cfg.rms_eps)
+        logits = self._linear(x.to(self.act_dtype), g.get("output", g["token_embd"]))  # [T, V]
+        if cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
+
+    def forward(self, tokens: torch.Tensor, pos0: int, last_only: bool = False) -> torch.Tensor:
+        """tokens [T] int64 (device) at positions pos0.. -> logits [T, V] (or [1, V]) float32; fills the
+        cache. Runs in chunks of `chunk` tokens; with last_only each chunk computes only its last row's
+        logits and the final chunk's are returned."""
+        outs = [self._chunk(tokens[s:s + self.chunk], pos0 + s, last_only)
+                for s in range(0, tokens.shape[0], self.chunk)]
+        return outs[-1] if last_only else torch.cat(outs)

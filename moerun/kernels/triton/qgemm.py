@@ -1,0 +1,404 @@
+"""Quantized matrix-matrix products for prompt processing (Triton, tensor cores).
+
+C[p, n] = sum_k A[a_row(p), k] * W[e(p), n, k], with W dequantized tile by tile inside the kernel from
+its GGUF bytes (never materialised): uint8 `[M, row_bytes]` for a matrix, `[E, M, row_bytes]` for
+stacked experts, exactly as in the file (F32/F16/BF16 as typed elements). One kernel serves:
+
+- `qgemm`          dense projection: out[T, M] = A[T, K] @ W[M, K]^T
+- `moe_gate_up`    grouped over experts: H[p, F] = act(A[tok(p)] @ Wg[e]^T) * (A[tok(p)] @ Wu[e]^T)
+- `moe_down`       grouped, scattered back: Y[a(p), N] = w_route[a(p)] * (H[p] @ Wd[e]^T)
+
+Grouping (`moe_align`, torch ops on the device, no host sync): the T*K (token, slot) assignments are
+sorted by expert and each expert's list padded to a multiple of BLOCK_M, so every BLOCK_M-row block of
+the padded order belongs to one expert. `rows[p]` is the assignment index at padded position p (-1 for
+padding) and `block_expert[b]` the expert of block b (-1: unused block, its programs exit at once).
+The grid has the static upper bound of blocks, so nothing depends on the routing on the host.
+
+Each program computes a [BLOCK_M, BLOCK_N] tile: K is walked in steps of BK = 64 weights; a step loads
+the A tile, decodes the [BLOCK_N, 64] weight tile (`deq_tile`, natural K order) and multiplies on the
+tensor cores in bf16 (or in float32 with input_precision="ieee", the exact mode) accumulating in
+float32. No atomics: every output element is written once, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.triton.qblocks import _f16
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act, _typed
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU interpreter: emulate bf16 (see _mma)
+BK = 64  # weights of K per step: one Q4_K/Q5_K/Q6_K 64-weight chunk, two 32-blocks, 64 floats
+
+
+class GemmTile(NamedTuple):
+    """Launch shape: rows of A (tokens) and of W (outputs) per program, warps, pipelining stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_TILE = GemmTile()
+
+
+# ------------------------------------------------------------------------------------ weight tile decoders
+# Each returns the float32 weights [BN, BK] of rows `wr` ([BN] pointers to row starts; bytes, or typed
+# elements for floats) at K positions k0 .. k0+BK-1 (k0 a multiple of BK); rows outside `nm` and K
+# positions >= K read as 0.
+
+
+@triton.jit
+def _two_blocks(wr, nm, k0, K, TS: tl.constexpr, BKC: tl.constexpr):
+    """32-weight blocks: pointers [BN, BK] to the block of each element, the element's index in its
+    block [BK], its half (0/1: which of the step's two blocks) and masks, plus both blocks' d [BN]."""
+    j = tl.arange(0, BKC)
+    h = j // 32
+    b0 = k0 // 32
+    m2 = nm[:, None] & ((k0 + j) < K)[None, :]
+    bp = wr[:, None] + (b0 + h)[None, :] * TS  # [BN, BK]
+    d0 = _f16(wr + b0 * TS, nm)  # [BN]
+    d1 = _f16(wr + (b0 + 1) * TS, nm & (k0 + 32 < K))
+    d = tl.where(h[None, :] == 0, d0[:, None], d1[:, None])  # [BN, BK]
+    return bp, j % 32, m2, d
+
+
+@triton.jit
+def _tile_q8_0(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q8_0, 34-byte blocks: d f16, qs[32] int8; w = d * q."""
+    bp, i, m2, d = _two_blocks(wr, nm, k0, K, 34, BKC)
+    q = tl.load(bp + 2 + i[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+    return d * q.to(tl.float32)
+
+
+@triton.jit
+def _tile_q4_0(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q4_0, 18-byte blocks: d, qs[16]; weight i < 16 low nibble of qs[i], i >= 16 high of qs[i-16]."""
+    bp, i, m2, d = _two_blocks(wr, nm, k0, K, 18, BKC)
+    q = (tl.load(bp + 2 + (i % 16)[None, :], mask=m2, other=0).to(tl.int32) >> (4 * (i // 16))[None, :]) & 15
+    return d * (q - 8).to(tl.float32)
+
+
+@triton.jit
+def _tile_q5_0(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q5_0, 22-byte blocks: d, qh[4] (bit i = 5th bit of weight i), qs[16] (as Q4_0); w = d*(q-16)."""
+    bp, i, m2, d = _two_blocks(wr, nm, k0, K, 22, BKC)
+    q = (tl.load(bp + 6 + (i % 16)[None, :], mask=m2, other=0).to(tl.int32) >> (4 * (i // 16))[None, :]) & 15
+    hb = (tl.load(bp + 2 + (i // 8)[None, :], mask=m2, other=0).to(tl.int32) >> (i % 8)[None, :]) & 1
+    return d * ((q | (hb << 4)) - 16).to(tl.float32)
+
+
+@triton.jit
+def _k4_scale_min_at(sp, s, nm):
+    """6-bit (scale, min) of sub-block `s` (scalar 0..7) of Q4_K/Q5_K for rows sp [BN] -> float32 [BN] x2."""
+    lo = s & 3
+    a = tl.load(sp + lo, mask=nm, other=0).to(tl.int32)
+    b = tl.load(sp + lo + 4, mask=nm, other=0).to(tl.int32)
+    c = tl.load(sp + lo + 8, mask=nm, other=0).to(tl.int32)
+    first = s < 4
+    sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _k_chunk(wr, nm, k0, TS: tl.constexpr, BKC: tl.constexpr):
+    """K-quant step = one 64-weight chunk c of super-block sb: its block pointers [BN], c, the element's
+    sub-block half h [BK] (sub-block 2c + h) and index within the sub-block [BK]."""
+    j = tl.arange(0, BKC)
+    bp = wr + (k0 // 256) * TS
+    return bp, (k0 % 256) // 64, j // 32, j % 32
+
+
+@triton.jit
+def _k4_weights(bp, nm, c, h, q):
+    """d*sc*q - dmin*m for the two sub-blocks 2c, 2c+1 of Q4_K/Q5_K (q: [BN, BK] int32)."""
+    d = _f16(bp, nm)
+    dmin = _f16(bp + 2, nm)
+    sc0, mn0 = _k4_scale_min_at(bp + 4, 2 * c, nm)
+    sc1, mn1 = _k4_scale_min_at(bp + 4, 2 * c + 1, nm)
+    first = h[None, :] == 0
+    scale = tl.where(first, (d * sc0)[:, None], (d * sc1)[:, None])
+    off = tl.where(first, (dmin * mn0)[:, None], (dmin * mn1)[:, None])
+    return scale * q.to(tl.float32) - off
+
+
+@triton.jit
+def _tile_q4_k(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q4_K, 144-byte blocks: d, dmin, scales[12], qs[128]; chunk c = qs[32c:32c+32], low nibbles are
+    sub-block 2c, high nibbles 2c+1."""
+    bp, c, h, i = _k_chunk(wr, nm, k0, 144, BKC)
+    m2 = nm[:, None] & (h >= 0)[None, :]
+    q = (tl.load(bp[:, None] + 16 + 32 * c + i[None, :], mask=m2, other=0).to(tl.int32) >> (4 * h)[None, :]) & 15
+    return _k4_weights(bp, nm, c, h, q)
+
+
+@triton.jit
+def _tile_q5_k(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q5_K, 176-byte blocks: d, dmin, scales[12], qh[32], qs[128]; as Q4_K, 5th bit of sub-block s,
+    weight i = bit s of qh[i]."""
+    bp, c, h, i = _k_chunk(wr, nm, k0, 176, BKC)
+    m2 = nm[:, None] & (h >= 0)[None, :]
+    p = bp[:, None] + i[None, :]
+    q = (tl.load(p + 48 + 32 * c, mask=m2, other=0).to(tl.int32) >> (4 * h)[None, :]) & 15
+    hb = (tl.load(p + 16, mask=m2, other=0).to(tl.int32) >> (2 * c + h)[None, :]) & 1
+    return _k4_weights(bp, nm, c, h, q | (hb << 4))
+
+
+@triton.jit
+def _tile_q6_k(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q6_K, 210-byte blocks: ql[128], qh[64], scales[16] int8, d f16; weight e = 128n + 32g + l has
+    low 4 bits in ql[64n + 32(g%2) + l] (nibble g//2), high 2 bits in qh[32n + l] >> 2g, scale e // 16;
+    w = d * scale * (q - 32)."""
+    j = tl.arange(0, BKC)
+    bp = wr + (k0 // 256) * 210
+    e = (k0 % 256) + j  # [BK] position in the super-block
+    n = e // 128
+    g = (e % 128) // 32
+    lpos = e % 32
+    m2 = nm[:, None] & (j >= 0)[None, :]
+    p = bp[:, None]
+    ql = tl.load(p + (64 * n + 32 * (g % 2) + lpos)[None, :], mask=m2, other=0).to(tl.int32)
+    qh = tl.load(p + (128 + 32 * n + lpos)[None, :], mask=m2, other=0).to(tl.int32)
+    q = ((ql >> (4 * (g // 2))[None, :]) & 15) | (((qh >> (2 * g)[None, :]) & 3) << 4)
+    sc = tl.load(p + (192 + e // 16)[None, :], mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    d = _f16(bp + 208, nm)
+    return (d[:, None] * sc) * (q - 32).to(tl.float32)
+
+
+@triton.jit
+def _tile_float(wr, nm, k0, K, BKC: tl.constexpr):
+    """F32 / F16 / BF16: `wr` points at typed elements."""
+    k = k0 + tl.arange(0, BKC)
+    return tl.load(wr[:, None] + k[None, :], mask=nm[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def deq_tile(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
+    """Weights [BN, BK] float32 of rows `wr` at K positions k0.. (dispatch on the GGML type id)."""
+    if QTYPE == 12:
+        w = _tile_q4_k(wr, nm, k0, K, BKC)
+    elif QTYPE == 14:
+        w = _tile_q6_k(wr, nm, k0, K, BKC)
+    elif QTYPE == 8:
+        w = _tile_q8_0(wr, nm, k0, K, BKC)
+    elif QTYPE == 13:
+        w = _tile_q5_k(wr, nm, k0, K, BKC)
+    elif QTYPE == 2:
+        w = _tile_q4_0(wr, nm, k0, K, BKC)
+    elif QTYPE == 6:
+        w = _tile_q5_0(wr, nm, k0, K, BKC)
+    else:
+        w = _tile_float(wr, nm, k0, K, BKC)
+    return w
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 -> float32 holding the nearest bf16 (round to nearest even), by integer ops."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma(acc, a, w, EXACT: tl.constexpr, EMULATE: tl.constexpr):
+    """acc [BM, BN] += a [BM, BK] @ w [BN, BK]^T; bf16 tensor cores, or float32 ("ieee") when EXACT.
+
+    EMULATE (Triton's CPU interpreter, whose bf16 dot and conversions are not IEEE): operands rounded
+    to bf16 by integer ops, then multiplied in float32 — the same products a bf16 tensor core forms."""
+    if EXACT:
+        acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    elif EMULATE:
+        acc = tl.dot(_round_bf16(a.to(tl.float32)), tl.trans(_round_bf16(w)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    return acc
+
+
+@triton.jit
+def _qgemm_kernel(
+    a_ptr, w_ptr, w2_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr,
+    n_a, M, stride_a, stride_out, stride_we, stride_wm, stride_w2e, stride_w2m, topk,
+    K: tl.constexpr, QTYPE: tl.constexpr, QTYPE2: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
+    SCATTER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EXACT: tl.constexpr, EMULATE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKC: tl.constexpr,
+):
+    """Grid (cdiv(P, BM), cdiv(M, BN)); P = rows of the (padded) product.
+
+    GROUPED: block b uses expert bexp[b] (-1: nothing to do) and rows[p] (assignment, -1 = padding);
+    GATHER: A row of p = rows[p] // topk (else p); SCATTER: output row = rows[p], scaled by
+    scale[rows[p]] (else p); GATED: out = act(A W^T) * (A W2^T). Not GROUPED: rows p < n_a, expert 0.
+    """
+    pid_m = tl.program_id(0)
+    p = pid_m * BM + tl.arange(0, BM)  # [BM]
+    if GROUPED:
+        e = tl.load(bexp_ptr + pid_m)
+        r = tl.load(rows_ptr + p)
+        valid = r >= 0
+        e = tl.maximum(e, 0)
+        live = tl.load(bexp_ptr + pid_m) >= 0
+    else:
+        e = pid_m * 0
+        r = p
+        valid = p < n_a
+        live = True
+    if live:
+        arow = (r // topk) if GATHER else p
+        arow = tl.where(valid, arow, 0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+        nm = n < M
+        wr = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wm
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if GATED:
+            wr2 = w2_ptr + e.to(tl.int64) * stride_w2e + n.to(tl.int64) * stride_w2m
+            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+        kk = tl.arange(0, BKC)
+        for k0 in range(0, K, BKC):
+            k = k0 + kk
+            a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
+                        other=0.0)  # [BM, BK]
+            acc = _mma(acc, a, deq_tile(wr, nm, k0, K, QTYPE, BKC), EXACT, EMULATE)
+            if GATED:
+                acc2 = _mma(acc2, a, deq_tile(wr2, nm, k0, K, QTYPE2, BKC), EXACT, EMULATE)
+        if GATED:
+            acc = _act(acc, ACT) * acc2
+        if SCATTER:
+            orow = tl.where(valid, r, 0).to(tl.int64)
+            acc = acc * tl.load(scale_ptr + orow, mask=valid, other=0.0)[:, None]
+        else:
+            orow = p.to(tl.int64)
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            acc = _round_bf16(acc)  # exact conversion below, whatever the rounding mode
+        tl.store(out_ptr + orow[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nm[None, :])
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+
+
+def _check(qtype: int) -> None:
+    if qtype not in SUPPORTED:
+        raise NotImplementedError(f"no quantized GEMM for GGML type {qtype} (supported: {sorted(SUPPORTED)})")
+
+
+def _k_ok(qtype: int, k: int) -> None:
+    if k % GEOMETRY[qtype][0] or (GEOMETRY[qtype][0] == 256 and k % BK):
+        raise ValueError(f"K = {k} is not a whole number of blocks of GGML type {qtype}")
+
+
+def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, exact: bool = False,
+          tile: GemmTile = DEFAULT_TILE) -> torch.Tensor:
+    """out[T, M] = A[T, K] @ W[M, K]^T, W decoded from its GGUF bytes inside the kernel.
+
+    a: float32/bf16 [T, K] (rows contiguous); w: uint8 [M, row_bytes]; out: float32 or bf16 [T, M].
+    exact: float32 products (else bf16 inputs, float32 accumulation). Returns out.
+    """
+    _check(qtype)
+    T, K = a.shape
+    M = w.shape[0]
+    _k_ok(qtype, K)
+    wt = _typed(w, qtype)
+    grid = (triton.cdiv(T, tile.block_m), triton.cdiv(M, tile.block_n))
+    _qgemm_kernel[grid](
+        a, wt, wt, out, a, a, a, T, M, a.stride(0), out.stride(0), 0, wt.stride(0), 0, wt.stride(0), 1,
+        K=K, QTYPE=qtype, QTYPE2=qtype, GROUPED=False, GATHER=False, SCATTER=False, GATED=False, ACT=0,
+        EXACT=exact, EMULATE=_INTERPRET,
+        BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+class Routing(NamedTuple):
+    """Assignments grouped by expert (see module doc): rows [P] int32, block_expert [P / BM] int32."""
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    topk: int
+    block_m: int
+
+
+def padded_rows(n_assign: int, n_expert: int, block_m: int) -> int:
+    """Static upper bound of the padded assignment count (every expert may need a partial block)."""
+    return triton.cdiv(n_assign + n_expert * (block_m - 1), block_m) * block_m
+
+
+def moe_align(ids: torch.Tensor, n_expert: int, block_m: int) -> Routing:
+    """ids [T, topk] (device) -> assignments t*topk + k sorted by expert, each expert's run padded to a
+    multiple of block_m. Device ops only (no host sync); stable, so ties keep token order."""
+    T, topk = ids.shape
+    flat = ids.reshape(-1).long()  # [A]
+    A = flat.shape[0]
+    dev = ids.device
+    counts = torch.bincount(flat, minlength=n_expert)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = padded.cumsum(0)  # [E] end of each expert's padded run
+    order = torch.sort(flat, stable=True).indices  # [A] assignments by expert
+    e_sorted = flat[order]
+    cstart = counts.cumsum(0) - counts
+    dest = (pend - padded)[e_sorted] + torch.arange(A, device=dev) - cstart[e_sorted]
+    P = padded_rows(A, n_expert, block_m)
+    rows = torch.full((P,), -1, dtype=torch.int32, device=dev)
+    rows[dest] = order.to(torch.int32)
+    starts = torch.arange(0, P, block_m, device=dev)
+    bexp = torch.searchsorted(pend, starts, right=True).to(torch.int32)  # expert whose run holds the block
+    bexp = torch.where(bexp < n_expert, bexp, -1).to(torch.int32)
+    return Routing(rows, bexp, topk, block_m)
+
+
+def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
+                routing: Routing, out: torch.Tensor, act: str = "silu", *, exact: bool = False,
+                tile: GemmTile = DEFAULT_TILE) -> torch.Tensor:
+    """out[p, F] = act(A[tok] @ Wg[e]^T) * (A[tok] @ Wu[e]^T) for each padded position p of `routing`
+    (tok = rows[p] // topk, e = its block's expert; padding rows are left untouched).
+
+    a: [T, K] float32/bf16; w_gate/w_up: uint8 [E, F, row_bytes]; out: [P, F] float32/bf16."""
+    _check(qtype_gate)
+    _check(qtype_up)
+    K, F = a.shape[1], w_gate.shape[1]
+    _k_ok(qtype_gate, K)
+    _k_ok(qtype_up, K)
+    assert routing.block_m == tile.block_m, "routing was aligned for another BLOCK_M"
+    wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
+    P = routing.rows.shape[0]
+    grid = (P // tile.block_m, triton.cdiv(F, tile.block_n))
+    _qgemm_kernel[grid](
+        a, wg, wu, out, routing.rows, routing.block_expert, a, a.shape[0], F, a.stride(0), out.stride(0),
+        wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), routing.topk,
+        K=K, QTYPE=qtype_gate, QTYPE2=qtype_up, GROUPED=True, GATHER=True, SCATTER=False, GATED=True,
+        ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, BM=tile.block_m, BN=tile.block_n, BKC=BK,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def moe_down(h: torch.Tensor, w_down: torch.Tensor, qtype: int, routing: Routing, route_w: torch.Tensor,
+             out: torch.Tensor, *, exact: bool = False, tile: GemmTile = DEFAULT_TILE) -> torch.Tensor:
+    """out[a, N] = route_w[a] * (H[p] @ Wd[e]^T) for every assignment a = rows[p] (each written once).
+
+    h: [P, F] from moe_gate_up; w_down: uint8 [E, N, row_bytes]; route_w: float32 [T * topk];
+    out: float32 [T * topk, N] (sum over each token's topk rows afterwards)."""
+    _check(qtype)
+    F, N = h.shape[1], w_down.shape[1]
+    _k_ok(qtype, F)
+    assert routing.block_m == tile.block_m, "routing was aligned for another BLOCK_M"
+    wd = _typed(w_down, qtype)
+    P = routing.rows.shape[0]
+    grid = (P // tile.block_m, triton.cdiv(N, tile.block_n))
+    _qgemm_kernel[grid](
+        h, wd, wd, out, routing.rows, routing.block_expert, route_w, P, N, h.stride(0), out.stride(0),
+        wd.stride(0), wd.stride(1), 0, 0, routing.topk,
+        K=F, QTYPE=qtype, QTYPE2=qtype, GROUPED=True, GATHER=False, SCATTER=True, GATED=False, ACT=0,
+        EXACT=exact, EMULATE=_INTERPRET,
+        BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
