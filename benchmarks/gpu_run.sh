@@ -29,6 +29,7 @@ for stage in "$@"; do
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep 2>&1 | tee -a "$LOG" ;;
     synth:*) t=${stage#*:}; timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" \
         -o /tmp/synth-$t.gguf --no-progress --force 2>&1 | tail -1 | tee -a "$LOG"; rm -f /tmp/synth-$t.gguf ;;
+    qgemm) timeout 300 python3 benchmarks/bench_qgemm.py ${QGEMM_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     exp) timeout 240 python3 benchmarks/exp_q4k.py 2>&1 | tee -a "$LOG" ;;
     attn) timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
     olmoe:*|qwen3:*)

@@ -1,0 +1,99 @@
+# ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
+"""Micro-benchmark of the prefill GEMM kernels (kernels/triton/qgemm.py) at OLMoE-1B-7B sizes.
+
+    python benchmarks/bench_qgemm.py [--types Q4_K,Q8_0,F16] [--tiles 64x64x4x2,...]
+
+Per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
+64 experts, top-8, F = 1024) and the grouped down; median of 20 CUDA-event timings, as TFLOP/s and as
+G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from moerun.kernels.triton import qgemm as qg
+from moerun.kernels.triton.qmatvec import GEOMETRY
+from moerun.quant import random_blocks
+
+T, N, F, E, TOPK = 512, 2048, 1024, 64, 8
+
+
+def timed(fn, reps: int = 20) -> float:
+    """Median milliseconds of fn() over reps (after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def weights(qtype: int, lead: tuple[int, ...], k: int, gen: np.random.Generator) -> torch.Tensor:
+    bs, ts, _ = GEOMETRY[qtype]
+    n = int(np.prod(lead))
+    return torch.from_numpy(random_blocks(qtype, n * k // bs, gen, scale=0.5)).reshape(*lead, k // bs * ts).cuda()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,F16")
+    ap.add_argument("--tiles", default="64x64x4x2,64x128x4x3,128x128x8x3,64x64x4x4,128x64x4x3")
+    args = ap.parse_args()
+    gen = np.random.default_rng(0)
+    dev = torch.device("cuda")
+    x = torch.randn(T, N, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(T)]).to(dev).int()
+    rw = torch.rand(T * TOPK, device=dev)
+    rows = []
+    # cuBLAS ceilings
+    wd = torch.randn(N, N, device=dev).bfloat16()
+    ms = timed(lambda: x @ wd.T)
+    rows.append(("cuBLAS bf16", "dense", "-", ms, 2 * T * N * N / ms / 1e9, N * N / ms / 1e6))
+    we = torch.randn(E, 2 * F, N, device=dev).bfloat16()
+    xs = torch.randn(T * TOPK // E, N, device=dev).bfloat16()
+    ms = timed(lambda: [xs @ we[e].T for e in range(E)])
+    rows.append(("cuBLAS bf16 (64 matmuls)", "gate_up", "-", ms, 2 * T * TOPK * 2 * F * N / ms / 1e9,
+                 E * 2 * F * N / ms / 1e6))
+    for tname in args.types.split(","):
+        qt = int(Q[tname])
+        w_dense = weights(qt, (N,), N, gen)
+        w_g = weights(qt, (E, F), N, gen)
+        w_u = weights(qt, (E, F), N, gen)
+        w_d = weights(qt, (E, N), F, gen)
+        for spec in args.tiles.split(","):
+            bm, bn, nw, ns = (int(v) for v in spec.split("x"))
+            tile = qg.GemmTile(bm, bn, nw, ns)
+            try:
+                out = torch.empty(T, N, device=dev)
+                ms = timed(lambda: qg.qgemm(x, w_dense, qt, out, tile=tile))
+                rows.append((tname, "dense", spec, ms, 2 * T * N * N / ms / 1e9, N * N / ms / 1e6))
+                r = qg.moe_align(ids, E, bm)
+                h = torch.empty(r.rows.shape[0], F, device=dev, dtype=torch.bfloat16)
+                ms = timed(lambda: qg.moe_gate_up(x, w_g, w_u, qt, qt, r, h, tile=tile))
+                rows.append((tname, "gate_up", spec, ms, 2 * T * TOPK * 2 * F * N / ms / 1e9, E * 2 * F * N / ms / 1e6))
+                y = torch.empty(T * TOPK, N, device=dev)
+                ms = timed(lambda: qg.moe_down(h, w_d, qt, r, rw, y, tile=tile))
+                rows.append((tname, "down", spec, ms, 2 * T * TOPK * F * N / ms / 1e9, E * F * N / ms / 1e6))
+                ms = timed(lambda: qg.moe_align(ids, E, bm))
+                rows.append((tname, "align", spec, ms, 0.0, 0.0))
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit: report and go on
+                print(f"{tname} {spec}: {type(e).__name__}: {str(e)[:150]}")
+            print(*rows[-1], flush=True)
+    print("\n| type | product | tile BMxBNxWxS | ms | TFLOP/s | G weights/s |\n|---|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.1f} | {r[5]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
