@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.triton.moe_align import moe_align_torch  # noqa: E402
 from moerun.kernels.triton.qgemm import GemmTile, moe_align, moe_down, moe_gate_up, padded_rows, qgemm  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY  # noqa: E402
 from moerun.quant import dequantize, random_blocks  # noqa: E402
@@ -92,6 +93,19 @@ def test_moe_align(device, rng) -> None:
         else:
             assert (flat[live.long()] == bexp[b]).all(), "a block holds one expert's assignments"
             assert torch.equal(live, live.sort().values), "token order kept within an expert"
+
+
+@pytest.mark.parametrize("t,topk,e,bm,skew", [(29, 3, 7, 16, False), (1100, 8, 64, 64, False),
+                                               (300, 2, 9, 16, True), (1, 1, 1, 16, False)])
+def test_moe_align_kernel_matches_torch(t, topk, e, bm, skew, device, rng) -> None:
+    """The Triton grouping equals its torch twin, incl. more ids than one scan chunk and all tokens on
+    the same few experts (long runs, many empty experts)."""
+    gen, _ = rng
+    pool = min(e, topk + 1) if skew else e
+    ids = torch.from_numpy(np.stack([gen.permutation(pool)[:topk] for _ in range(t)])).int().to(device)
+    got, ref = moe_align(ids, e, bm), moe_align_torch(ids, e, bm)
+    assert torch.equal(got.rows.cpu(), ref.rows.cpu())
+    assert torch.equal(got.block_expert.cpu(), ref.block_expert.cpu())
 
 
 @pytest.mark.parametrize("qg,qd", [(q, q) for q in TYPES] + [(T.Q4_K, T.Q6_K)], ids=lambda t: t.name)
