@@ -24,13 +24,15 @@ from moerun.kernels.triton.qgemm import GemmTile
 
 VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPrefill options)
     "default": {},
-    "moe bn128": {"tiles": {"gate_up": GemmTile(64, 128, 4, 2), "down": GemmTile(64, 128, 4, 2)}},
-    "moe bm32": {"tiles": {"gate_up": GemmTile(32, 64, 4, 2), "down": GemmTile(32, 64, 4, 2)}},
-    "moe 8 warps bn128 s3": {"tiles": {"gate_up": GemmTile(64, 128, 8, 3), "down": GemmTile(64, 128, 8, 3)}},
-    "dense bm128 bn128": {"tiles": {"dense": GemmTile(128, 128, 8, 3)}},
+    "all 3 stages": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
+    "moe 128x128 w8 s3": {"tiles": {"gate_up": GemmTile(128, 128, 8, 3), "down": GemmTile(128, 128, 8, 3)}},
+    "moe 64x128 w4 s3": {"tiles": {"gate_up": GemmTile(64, 128, 4, 3), "down": GemmTile(64, 128, 4, 3)}},
+    "dense 64x32 w4 s3": {"tiles": {"dense": GemmTile(64, 32, 4, 3)}},
+    "dense 128x64 w4 s3": {"tiles": {"dense": GemmTile(128, 64, 4, 3)}},
     "experts dequant": {"experts": "dequant"},
     "float32 exact": {"exact": True},
 }
+DEFAULT_VARIANTS = "default,all 3 stages,moe 128x128 w8 s3,moe 64x128 w4 s3,dense 64x32 w4 s3,dense 128x64 w4 s3"
 
 
 def time_prefill(eng: Engine, n: int, reps: int) -> float:
@@ -53,7 +55,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     counts = [int(c) for c in args.tokens.split(",")]

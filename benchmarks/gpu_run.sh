@@ -50,7 +50,7 @@ for stage in "$@"; do
       bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n 0 -r 5
       rm -f "$f" ;;
     prefilltests)
-      timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG"
+      timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"
       MOERUN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/engine/test_fast_prefill.py 2>&1 | tail -5 \
         | tee -a "$LOG" ;;
     tests)

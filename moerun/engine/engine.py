@@ -61,8 +61,8 @@ class Engine:
         CUDA). graph: replay the fast step as one CUDA graph (CUDA only; False = eager, for debugging).
         prefill: "fast" (batched Triton GEMMs, default on CUDA) or "reference" (the plain-torch
         forward, default elsewhere) for prompts. prefill_dtype: matrix inputs of fast prefill,
-        bfloat16 (tensor cores) or float32 (exact); default: `dtype` when given, else bfloat16 on CUDA. prefill_chunk: tokens per
-        fast-prefill pass (longer prompts run in chunks)."""
+        bfloat16 (tensor cores) or float32 (exact); default: `dtype` when given, else bfloat16 on CUDA.
+        prefill_chunk: tokens per fast-prefill pass (longer prompts run in chunks)."""
         self.file = GGUFFile(path)
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype or torch.float32)

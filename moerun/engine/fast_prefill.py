@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from moerun.engine.kv_cache import KVCache
 from moerun.kernels import reference as ref
+from moerun.kernels.triton import prefill_ops as po
 from moerun.kernels.triton import qgemm as qg
+from moerun.kernels.triton.decode_ops import rope_table
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -61,6 +63,10 @@ class FastPrefill:
         self.chunk = chunk
         self.act_dtype = torch.float32 if exact else torch.bfloat16  # dtype of matrix inputs
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
+        dev, factors = cache.k[0].device, weights.globals.get("rope_freqs")
+        self._rope = {False: rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors, dev)}
+        if any(cfg.swa_layers):
+            self._rope[True] = rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base_swa, 1.0, factors, dev)
 
     # --- products -------------------------------------------------------------------------------
 
@@ -83,12 +89,15 @@ class FastPrefill:
         return torch.cat([w.raw.reshape(-1, w.raw.shape[-1]) for w in ws]), int(ws[0].qtype.ggml)
 
     def _ffn(self, L: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 -> [T, N] float32."""
+        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 (normalised) -> [T, N] f32."""
         cfg = self.cfg
         T = x.shape[0]
         if cfg.is_moe:
-            router = L["ffn_gate_inp"]  # [E, N] float32
-            route_w, ids = ref.route(x @ router.T, cfg.n_expert_used, cfg.expert_weights_norm)  # [T, K]
+            logits = x @ L["ffn_gate_inp"].T  # [T, E] float32 router
+            K = cfg.n_expert_used
+            route_w = torch.empty(T, K, device=x.device, dtype=torch.float32)
+            ids = torch.empty(T, K, device=x.device, dtype=torch.int32)
+            po.route_topk_rows(logits, K, cfg.expert_weights_norm, route_w, ids)
             gate, up, down = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
             n_expert = cfg.n_expert
         else:
@@ -108,8 +117,7 @@ class FastPrefill:
         h = torch.empty(routing.rows.shape[0], wg.shape[1], device=x.device, dtype=self.act_dtype)  # [P, F]
         qg.moe_gate_up(xa, wg, wu, qgt, qut, routing, h, self.spec.act, exact=self.exact, tile=t_gu)
         y = torch.empty(ids.numel(), wd.shape[1], device=x.device, dtype=torch.float32)  # [T*K, N]
-        qg.moe_down(h, wd, qdt, routing, route_w.reshape(-1).float().contiguous(), y, exact=self.exact,
-                    tile=t_dn)
+        qg.moe_down(h, wd, qdt, routing, route_w.view(-1), y, exact=self.exact, tile=t_dn)
         return y.view(T, ids.shape[1], -1).sum(1)
 
     def _dequant(self, w: QTensor) -> tuple[torch.Tensor, int]:
@@ -123,7 +131,7 @@ class FastPrefill:
 
     def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pos0: int, window: int
                 ) -> torch.Tensor:
-        """q [T, H, D] float32 at positions pos0.., cache rows [S, Hkv, D] -> [T, H, Dv] float32."""
+        """q [T, H, D] (rotated) at positions pos0.., cache rows [S, Hkv, D] -> [T, H, Dv] (q's dtype or f32)."""
         T, H, _ = q.shape
         S, Hkv = k_all.shape[0], k_all.shape[1]
         dt = torch.float32 if self.exact or k_all.dtype == torch.float32 else k_all.dtype
@@ -146,37 +154,29 @@ class FastPrefill:
 
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(T, S),
                                                scale=self.cfg.attn_scale)
-        return o[0].transpose(0, 1).float()  # [T, H, Dv]
+        return o[0].transpose(0, 1)  # [T, H, Dv]
 
-    def _attention(self, i: int, L: dict[str, Any], x: torch.Tensor, pos0: int,
-                   rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _attention(self, i: int, L: dict[str, Any], x: torch.Tensor, pos0: int) -> torch.Tensor:
+        """x [T, N] float32 (normalised) at positions pos0.. -> attention block output [T, N] float32."""
         cfg, spec = self.cfg, self.spec
         T = x.shape[0]
         xa = x.to(self.act_dtype)
         qkv = self._qkv[i]
-        if qkv is not None:  # one GEMM over the stacked rows
+        if qkv is not None:  # one GEMM over the stacked rows; q, k, v are column slices of it
             q, k, v = self._linear_raw(xa, *qkv).split(
                 [cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v], dim=1)
         else:
             q = self._linear(xa, L["attn_q"])  # [T, H*D]
             k = self._linear(xa, L["attn_k"])  # [T, Hkv*D]
             v = self._linear(xa, L["attn_v"])  # [T, Hkv*Dv]
-        if spec.qk_norm == "full":
-            q = ref.rms_norm(q, L["attn_q_norm"], cfg.rms_eps)
-            k = ref.rms_norm(k, L["attn_k_norm"], cfg.rms_eps)
-        q = q.view(T, cfg.n_head, cfg.head_dim)
-        k = k.view(T, cfg.n_head_kv, cfg.head_dim)
-        v = v.view(T, cfg.n_head_kv, cfg.head_dim_v)
-        if spec.qk_norm == "head":
-            q = ref.rms_norm(q, L["attn_q_norm"], cfg.rms_eps)
-            k = ref.rms_norm(k, L["attn_k_norm"], cfg.rms_eps)
         swa = cfg.swa_layers[i]
-        cos, sin = rope[swa]
-        q = ref.apply_rope(q, cos, sin, spec.rope_style)
-        k = ref.apply_rope(k, cos, sin, spec.rope_style)
-        self.cache.write(i, pos0, k, v)
+        kc, vc = self.cache.k[i], self.cache.v[i]
+        q_dt = torch.float32 if self.exact or kc.dtype == torch.float32 else kc.dtype
+        q_rot = torch.empty(T, cfg.n_head, cfg.head_dim, device=x.device, dtype=q_dt)
+        po.qk_norm_rope_rows(q, k, v, L.get("attn_q_norm"), L.get("attn_k_norm"), self._rope[swa], pos0, kc, vc,
+                             q_rot, eps=cfg.rms_eps, qk_norm=spec.qk_norm, rope_style=spec.rope_style)
         k_all, v_all = self.cache.read(i, pos0 + T)
-        o = self._attend(q, k_all, v_all, pos0, cfg.sliding_window if swa else 0)
+        o = self._attend(q_rot, k_all, v_all, pos0, cfg.sliding_window if swa else 0)  # [T, H, Dv]
         return self._linear(o.reshape(T, -1).to(self.act_dtype), L["attn_output"])  # [T, N]
 
     # --- forward --------------------------------------------------------------------------------
@@ -184,27 +184,26 @@ class FastPrefill:
     def _chunk(self, tokens: torch.Tensor, pos0: int, last_only: bool) -> torch.Tensor:
         cfg, spec, g = self.cfg, self.spec, self.w.globals
         T = tokens.shape[0]
-        pos = torch.arange(pos0, pos0 + T, device=tokens.device)
-        factors = g.get("rope_freqs")
-        rope = {False: ref.rope_angles(pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors),
-                True: ref.rope_angles(pos, cfg.rope_dim, cfg.rope_base_swa, 1.0, factors)}
         embd = g["token_embd"]
         x = dequantize(embd.raw.index_select(0, tokens), int(embd.qtype.ggml), (T, cfg.n_embd))  # [T, N] f32
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
+        xn = torch.empty_like(x)  # normalised input of the next block
+        h = None  # output of the previous block, added to x by the next norm
         for i, L in enumerate(self.w.layers):
-            h = self._attention(i, L, ref.rms_norm(x, L["attn_norm"], cfg.rms_eps), pos0, rope)
+            po.add_rms_norm(x, L["attn_norm"], cfg.rms_eps, xn, h)
+            h = self._attention(i, L, xn, pos0)
             if spec.post_norms:
                 h = ref.rms_norm(h, L["post_attention_norm"], cfg.rms_eps)
-            x = x + h
-            m = self._ffn(L, ref.rms_norm(x, L["ffn_norm"], cfg.rms_eps))
+            po.add_rms_norm(x, L["ffn_norm"], cfg.rms_eps, xn, h)
+            h = self._ffn(L, xn)
             if spec.post_norms:
-                m = ref.rms_norm(m, L["post_ffw_norm"], cfg.rms_eps)
-            x = x + m
+                h = ref.rms_norm(h, L["post_ffw_norm"], cfg.rms_eps)
         if last_only:
-            x = x[-1:]
-        x = ref.rms_norm(x, g["output_norm"], cfg.rms_eps)
-        logits = self._linear(x.to(self.act_dtype), g.get("output", g["token_embd"]))  # [T, V]
+            x, h = x[-1:], h[-1:]
+            xn = xn[-1:]
+        po.add_rms_norm(x, g["output_norm"], cfg.rms_eps, xn, h)
+        logits = self._linear(xn.to(self.act_dtype), g.get("output", g["token_embd"]))  # [T, V]
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.triton.moe_align import Routing, moe_align, moe_align_torch, padded_rows  # noqa: F401 (re-exported)
 from moerun.kernels.triton.qblocks import _f16
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act, _typed
 
@@ -51,7 +52,10 @@ DEFAULT_TILE = GemmTile()
 # ------------------------------------------------------------------------------------ weight tile decoders
 # Each returns the float32 weights [BN, BK] of rows `wr` ([BN] pointers to row starts; bytes, or typed
 # elements for floats) at K positions k0 .. k0+BK-1 (k0 a multiple of BK); rows outside `nm` and K
-# positions >= K read as 0.
+# positions >= K read as 0. Q4_K, and Q8_0 when K % 64 == 0, read int32 words through `wr` cast to int32
+# pointers (so their loads are >= 32 bits wide, which Triton's pipeliner turns into cp.async copies ahead of
+# use): the weight tensor must be 4-byte aligned (GGUF tensor data is 32-byte aligned, torch allocations
+# 256); rows are 144-byte / 68-byte multiples, so every row then is too.
 
 
 @triton.jit
@@ -72,9 +76,43 @@ def _two_blocks(wr, nm, k0, K, TS: tl.constexpr, BKC: tl.constexpr):
 @triton.jit
 def _tile_q8_0(wr, nm, k0, K, BKC: tl.constexpr):
     """Q8_0, 34-byte blocks: d f16, qs[32] int8; w = d * q."""
-    bp, i, m2, d = _two_blocks(wr, nm, k0, K, 34, BKC)
-    q = tl.load(bp + 2 + i[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
-    return d * q.to(tl.float32)
+    if K % 64 == 0:
+        w = _tile_q8_0_words(wr, nm, k0, BKC)
+    else:
+        bp, i, m2, d = _two_blocks(wr, nm, k0, K, 34, BKC)
+        q = tl.load(bp + 2 + i[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+        w = d * q.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _i8x4(x, d):
+    """Words x [BN, W] of 4 int8 each (biased: q ^ 0x80 = q + 128) -> [BN, W, 4] floats d * q."""
+    s = d[:, None]
+    q0 = ((x & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    q1 = (((x >> 8) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    q2 = (((x >> 16) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    q3 = (((x >> 24) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    return _j4(s * q0, s * q1, s * q2, s * q3)
+
+
+@triton.jit
+def _tile_q8_0_words(wr, nm, k0, BKC: tl.constexpr):
+    """Q8_0 when K % 64 == 0: a step's two blocks are 68 bytes = 17 int32 words W (rows are multiples of
+    68 bytes): W0 = d0 | qs0[0:2] << 16, qs0[4v-2:4v+2] in W[v] >> 16 | W[v+1] << 16 (v = 1..8, and
+    W8 >> 16 = d1), qs1[4v:4v+4] = W[9+v]. Read as two overlapping [BN, 8] word tiles and one more."""
+    BN: tl.constexpr = wr.shape[0]
+    pw = (wr + (k0 // 64) * 68).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] words of the pair
+    v = tl.arange(0, BKC // 8)[None, :]
+    m2 = nm[:, None] & (v >= 0)
+    lo = _word(pw[:, None] + v, m2)  # W[0..7]
+    hi = _word(pw[:, None] + 1 + v, m2)  # W[1..8]
+    q1 = _word(pw[:, None] + 9 + v, m2)  # W[9..16]
+    d0 = (_word(pw, nm) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d1 = ((_word(pw + 8, nm) >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    q0 = ((lo >> 16) & 0xFFFF) | (hi << 16)  # qs0[4v:4v+4]
+    w = tl.join(_i8x4(q0 ^ -0x7F7F7F80, d0), _i8x4(q1 ^ -0x7F7F7F80, d1))  # [BN, 8, 4, 2 (block)]
+    return tl.permute(w, (0, 3, 1, 2)).reshape(BN, BKC)
 
 
 @triton.jit
@@ -130,13 +168,72 @@ def _k4_weights(bp, nm, c, h, q):
 
 
 @triton.jit
+def _word(p, nm):
+    """int32 at word pointers p (any shape; rows outside nm read as 0)."""
+    return tl.load(p, mask=nm, other=0)
+
+
+@triton.jit
+def _j4(x0, x1, x2, x3):
+    """Four [BN, W] tensors -> [BN, W, 4] with x_i at [..., i]: tl.join keeps the new axis in-thread."""
+    return tl.join(tl.join(x0, x2), tl.join(x1, x3)).reshape(x0.shape[0], x0.shape[1], 4)
+
+
+@triton.jit
+def _byte(w, sh):
+    return (w >> sh) & 255
+
+
+@triton.jit
+def _k4_sm(w1, w2, w3, sh, first):
+    """6-bit (scale, min) of Q4_K/Q5_K sub-block s from the scale words w1..w3 (scales[0:4], [4:8], [8:12])
+    [BN]: sh = 8 * (s % 4), first = s < 4 -> float32 [BN] x2."""
+    a = _byte(w1, sh)
+    b = _byte(w2, sh)
+    c = _byte(w3, sh)
+    sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _nib4(x, sh: tl.constexpr, scale, off):
+    """Nibbles at bit sh (0 or 4) of the 4 bytes of words x [BN, W] -> [BN, W, 4] floats scale * q - off."""
+    s = scale[:, None]
+    o = off[:, None]
+    q0 = (((x >> sh) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q1 = (((x >> (sh + 8)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q2 = (((x >> (sh + 16)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q3 = (((x >> (sh + 24)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return _j4(s * q0 - o, s * q1 - o, s * q2 - o, s * q3 - o)
+
+
+@triton.jit
 def _tile_q4_k(wr, nm, k0, K, BKC: tl.constexpr):
     """Q4_K, 144-byte blocks: d, dmin, scales[12], qs[128]; chunk c = qs[32c:32c+32], low nibbles are
-    sub-block 2c, high nibbles 2c+1."""
-    bp, c, h, i = _k_chunk(wr, nm, k0, 144, BKC)
-    m2 = nm[:, None] & (h >= 0)[None, :]
-    q = (tl.load(bp[:, None] + 16 + 32 * c + i[None, :], mask=m2, other=0).to(tl.int32) >> (4 * h)[None, :]) & 15
-    return _k4_weights(bp, nm, c, h, q)
+    sub-block 2c, high nibbles 2c+1. Read as int32 words (blocks are 16-byte multiples): header words
+    w0 = d | dmin << 16, w1..w3 = scales, and the chunk's 8 qs words, even and odd apart so that each
+    thread holds pairs of consecutive words (8 consecutive weights) after the in-thread joins."""
+    c = (k0 % 256) // 64
+    bw = (wr + (k0 // 256) * 144).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] block words
+    w0 = _word(bw, nm)
+    w1 = _word(bw + 1, nm)
+    w2 = _word(bw + 2, nm)
+    w3 = _word(bw + 3, nm)
+    BN: tl.constexpr = wr.shape[0]
+    i = tl.arange(0, BKC // 8)[None, :]
+    qw = _word(bw[:, None] + 4 + 8 * c + i, nm[:, None] & (i >= 0))  # [BN, 8] the chunk's qs words
+    qe, qo = tl.split(qw.reshape(BN, BKC // 16, 2))  # even, odd words [BN, 4]
+    d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sh = 16 * (c % 2)  # sub-blocks 2c, 2c + 1: bytes 2c % 4, 2c % 4 + 1 of the scale words
+    sc0, mn0 = _k4_sm(w1, w2, w3, sh, c < 2)
+    sc1, mn1 = _k4_sm(w1, w2, w3, sh + 8, c < 2)
+    s0, o0, s1, o1 = d * sc0, dmin * mn0, d * sc1, dmin * mn1
+    lo = tl.join(_nib4(qe, 0, s0, o0), _nib4(qo, 0, s0, o0))  # [BN, 4, 4, 2]
+    hi = tl.join(_nib4(qe, 4, s1, o1), _nib4(qo, 4, s1, o1))
+    w = tl.join(lo, hi)  # [BN, 4 (word pair), 4 (byte), 2 (odd word), 2 (h)]: K = 32h + 8p + 4o + b
+    return tl.permute(w, (0, 4, 1, 3, 2)).reshape(BN, BKC)
 
 
 @triton.jit
@@ -291,9 +388,11 @@ def _check(qtype: int) -> None:
         raise NotImplementedError(f"no quantized GEMM for GGML type {qtype} (supported: {sorted(SUPPORTED)})")
 
 
-def _k_ok(qtype: int, k: int) -> None:
+def _k_ok(qtype: int, k: int, w: torch.Tensor) -> None:
     if k % GEOMETRY[qtype][0] or (GEOMETRY[qtype][0] == 256 and k % BK):
         raise ValueError(f"K = {k} is not a whole number of blocks of GGML type {qtype}")
+    if w.data_ptr() % 4:  # the Q4_K / Q8_0 decoders read the blocks as 32-bit words
+        raise ValueError(f"weights of GGML type {qtype} must start at a 4-byte aligned address")
 
 
 def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, exact: bool = False,
@@ -306,7 +405,7 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     _check(qtype)
     T, K = a.shape
     M = w.shape[0]
-    _k_ok(qtype, K)
+    _k_ok(qtype, K, w)
     wt = _typed(w, qtype)
     grid = (triton.cdiv(T, tile.block_m), triton.cdiv(M, tile.block_n))
     _qgemm_kernel[grid](
@@ -316,43 +415,6 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
-
-
-class Routing(NamedTuple):
-    """Assignments grouped by expert (see module doc): rows [P] int32, block_expert [P / BM] int32."""
-
-    rows: torch.Tensor
-    block_expert: torch.Tensor
-    topk: int
-    block_m: int
-
-
-def padded_rows(n_assign: int, n_expert: int, block_m: int) -> int:
-    """Static upper bound of the padded assignment count (every expert may need a partial block)."""
-    return triton.cdiv(n_assign + n_expert * (block_m - 1), block_m) * block_m
-
-
-def moe_align(ids: torch.Tensor, n_expert: int, block_m: int) -> Routing:
-    """ids [T, topk] (device) -> assignments t*topk + k sorted by expert, each expert's run padded to a
-    multiple of block_m. Device ops only (no host sync); stable, so ties keep token order."""
-    T, topk = ids.shape
-    flat = ids.reshape(-1).long()  # [A]
-    A = flat.shape[0]
-    dev = ids.device
-    counts = torch.bincount(flat, minlength=n_expert)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pend = padded.cumsum(0)  # [E] end of each expert's padded run
-    order = torch.sort(flat, stable=True).indices  # [A] assignments by expert
-    e_sorted = flat[order]
-    cstart = counts.cumsum(0) - counts
-    dest = (pend - padded)[e_sorted] + torch.arange(A, device=dev) - cstart[e_sorted]
-    P = padded_rows(A, n_expert, block_m)
-    rows = torch.full((P,), -1, dtype=torch.int32, device=dev)
-    rows[dest] = order.to(torch.int32)
-    starts = torch.arange(0, P, block_m, device=dev)
-    bexp = torch.searchsorted(pend, starts, right=True).to(torch.int32)  # expert whose run holds the block
-    bexp = torch.where(bexp < n_expert, bexp, -1).to(torch.int32)
-    return Routing(rows, bexp, topk, block_m)
 
 
 def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
@@ -365,8 +427,8 @@ def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype
     _check(qtype_gate)
     _check(qtype_up)
     K, F = a.shape[1], w_gate.shape[1]
-    _k_ok(qtype_gate, K)
-    _k_ok(qtype_up, K)
+    _k_ok(qtype_gate, K, w_gate)
+    _k_ok(qtype_up, K, w_up)
     assert routing.block_m == tile.block_m, "routing was aligned for another BLOCK_M"
     wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
     P = routing.rows.shape[0]
@@ -389,7 +451,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, qtype: int, routing: Routing
     out: float32 [T * topk, N] (sum over each token's topk rows afterwards)."""
     _check(qtype)
     F, N = h.shape[1], w_down.shape[1]
-    _k_ok(qtype, F)
+    _k_ok(qtype, F, w_down)
     assert routing.block_m == tile.block_m, "routing was aligned for another BLOCK_M"
     wd = _typed(w_down, qtype)
     P = routing.rows.shape[0]
