@@ -385,7 +385,8 @@ def system_info(device: torch.device) -> dict[str, Any]:
     """moerun's git commit, GPU name and driver, torch / CUDA / triton versions, date."""
     here = Path(__file__).resolve().parent
     info: dict[str, Any] = {
-        "commit": _run(["git", "rev-parse", "HEAD"], here) or os.environ.get("MOERUN_COMMIT", "unknown"),
+        # $MOERUN_COMMIT first: a copied tree (the GPU machine's) may carry a stale .git
+        "commit": os.environ.get("MOERUN_COMMIT") or _run(["git", "rev-parse", "HEAD"], here) or "unknown",
         "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], here)),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None,
