@@ -24,15 +24,15 @@ from moerun.kernels.triton.qgemm import GemmTile
 
 VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPrefill options)
     "default": {},
-    "all 3 stages": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
-    "moe 128x128 w8 s3": {"tiles": {"gate_up": GemmTile(128, 128, 8, 3), "down": GemmTile(128, 128, 8, 3)}},
+    "all 64x64 w4 s3": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
+    "moe 64x64 w4 s2": {"tiles": {"gate_up": GemmTile(64, 64, 4, 2), "down": GemmTile(64, 64, 4, 2)}},
     "moe 64x128 w4 s3": {"tiles": {"gate_up": GemmTile(64, 128, 4, 3), "down": GemmTile(64, 128, 4, 3)}},
     "dense 64x32 w4 s3": {"tiles": {"dense": GemmTile(64, 32, 4, 3)}},
     "dense 128x64 w4 s3": {"tiles": {"dense": GemmTile(128, 64, 4, 3)}},
     "experts dequant": {"experts": "dequant"},
     "float32 exact": {"exact": True},
 }
-DEFAULT_VARIANTS = "default,all 3 stages,moe 128x128 w8 s3,moe 64x128 w4 s3,dense 64x32 w4 s3,dense 128x64 w4 s3"
+DEFAULT_VARIANTS = "default,all 64x64 w4 s3,moe 64x128 w4 s3,dense 64x32 w4 s3"
 
 
 def time_prefill(eng: Engine, n: int, reps: int) -> float:
@@ -67,6 +67,7 @@ def main() -> None:
         fp.TILES.clear()
         fp.TILES.update(base_tiles | v.get("tiles", {}))
         p = eng.prefiller
+        p.tile_overrides = set(v.get("tiles", {}))
         p.exact = v.get("exact", False)
         p.act_dtype = torch.float32 if p.exact else torch.bfloat16
         p.experts = v.get("experts", "fused")

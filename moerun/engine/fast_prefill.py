@@ -34,12 +34,20 @@ from moerun.quant.registry import dequantize
 
 DEFAULT_CHUNK = 2048
 
-# Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs).
+# Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs), from
+# benchmarks/bench_qgemm.py and bench_prefill.py on the H200 (benchmarks/NOTES.md section 6). Float
+# expert weights (F16/BF16/F32: no decode, bandwidth-bound) prefer narrower token blocks.
 TILES: dict[str, qg.GemmTile] = {
-    "dense": qg.GemmTile(64, 64, 4, 2),
-    "gate_up": qg.GemmTile(64, 64, 4, 2),
-    "down": qg.GemmTile(64, 64, 4, 2),
+    "dense": qg.GemmTile(64, 64, 4, 3),
+    "gate_up": qg.GemmTile(128, 128, 8, 3),
+    "down": qg.GemmTile(128, 128, 8, 3),
 }
+FLOAT_EXPERT_TILE = qg.GemmTile(64, 128, 4, 3)
+FLOAT_TYPES = frozenset({0, 1, 30})
+if qg._INTERPRET:  # Triton's CPU interpreter (tests): few, wide programs run fastest in numpy
+    TILES.update(dense=qg.GemmTile(64, 256, 4, 1), gate_up=qg.GemmTile(64, 128, 4, 1),
+                 down=qg.GemmTile(64, 128, 4, 1))
+    FLOAT_EXPERT_TILE = qg.GemmTile(64, 128, 4, 1)
 
 
 def _raw(w: Any) -> tuple[torch.Tensor, int]:
@@ -60,6 +68,7 @@ class FastPrefill:
         if experts not in ("fused", "dequant"):
             raise ValueError(f"experts must be 'fused' or 'dequant', got {experts!r}")
         self.experts = experts
+        self.tile_overrides: set[str] = set()  # kinds whose TILES entry a benchmark set explicitly
         self.chunk = chunk
         self.act_dtype = torch.float32 if exact else torch.bfloat16  # dtype of matrix inputs
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
@@ -111,6 +120,8 @@ class FastPrefill:
         if self.experts == "dequant":
             (wg, qgt), (wu, qut), (wd, qdt) = (self._dequant(w) for w in (gate, up, down))
         t_gu, t_dn = TILES["gate_up"], TILES["down"]
+        if qgt in FLOAT_TYPES and qdt in FLOAT_TYPES and "gate_up" not in self.tile_overrides:
+            t_gu = t_dn = FLOAT_EXPERT_TILE
         assert t_gu.block_m == t_dn.block_m, "gate/up and down share the routing's BLOCK_M"
         routing = qg.moe_align(ids, n_expert, t_gu.block_m)
         xa = x.to(self.act_dtype)

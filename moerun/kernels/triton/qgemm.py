@@ -52,10 +52,10 @@ DEFAULT_TILE = GemmTile()
 # ------------------------------------------------------------------------------------ weight tile decoders
 # Each returns the float32 weights [BN, BK] of rows `wr` ([BN] pointers to row starts; bytes, or typed
 # elements for floats) at K positions k0 .. k0+BK-1 (k0 a multiple of BK); rows outside `nm` and K
-# positions >= K read as 0. Q4_K, and Q8_0 when K % 64 == 0, read int32 words through `wr` cast to int32
+# positions >= K read as 0. Q4_K, and Q6_K when K % 512 == 0, read int32 words through `wr` cast to int32
 # pointers (so their loads are >= 32 bits wide, which Triton's pipeliner turns into cp.async copies ahead of
 # use): the weight tensor must be 4-byte aligned (GGUF tensor data is 32-byte aligned, torch allocations
-# 256); rows are 144-byte / 68-byte multiples, so every row then is too.
+# 256); Q4_K rows are 144-byte multiples and Q6_K rows (K % 512 == 0) 420-byte ones, so every row then is too.
 
 
 @triton.jit
@@ -76,43 +76,9 @@ def _two_blocks(wr, nm, k0, K, TS: tl.constexpr, BKC: tl.constexpr):
 @triton.jit
 def _tile_q8_0(wr, nm, k0, K, BKC: tl.constexpr):
     """Q8_0, 34-byte blocks: d f16, qs[32] int8; w = d * q."""
-    if K % 64 == 0:
-        w = _tile_q8_0_words(wr, nm, k0, BKC)
-    else:
-        bp, i, m2, d = _two_blocks(wr, nm, k0, K, 34, BKC)
-        q = tl.load(bp + 2 + i[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
-        w = d * q.to(tl.float32)
-    return w
-
-
-@triton.jit
-def _i8x4(x, d):
-    """Words x [BN, W] of 4 int8 each (biased: q ^ 0x80 = q + 128) -> [BN, W, 4] floats d * q."""
-    s = d[:, None]
-    q0 = ((x & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    q1 = (((x >> 8) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    q2 = (((x >> 16) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    q3 = (((x >> 24) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    return _j4(s * q0, s * q1, s * q2, s * q3)
-
-
-@triton.jit
-def _tile_q8_0_words(wr, nm, k0, BKC: tl.constexpr):
-    """Q8_0 when K % 64 == 0: a step's two blocks are 68 bytes = 17 int32 words W (rows are multiples of
-    68 bytes): W0 = d0 | qs0[0:2] << 16, qs0[4v-2:4v+2] in W[v] >> 16 | W[v+1] << 16 (v = 1..8, and
-    W8 >> 16 = d1), qs1[4v:4v+4] = W[9+v]. Read as two overlapping [BN, 8] word tiles and one more."""
-    BN: tl.constexpr = wr.shape[0]
-    pw = (wr + (k0 // 64) * 68).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] words of the pair
-    v = tl.arange(0, BKC // 8)[None, :]
-    m2 = nm[:, None] & (v >= 0)
-    lo = _word(pw[:, None] + v, m2)  # W[0..7]
-    hi = _word(pw[:, None] + 1 + v, m2)  # W[1..8]
-    q1 = _word(pw[:, None] + 9 + v, m2)  # W[9..16]
-    d0 = (_word(pw, nm) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    d1 = ((_word(pw + 8, nm) >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    q0 = ((lo >> 16) & 0xFFFF) | (hi << 16)  # qs0[4v:4v+4]
-    w = tl.join(_i8x4(q0 ^ -0x7F7F7F80, d0), _i8x4(q1 ^ -0x7F7F7F80, d1))  # [BN, 8, 4, 2 (block)]
-    return tl.permute(w, (0, 3, 1, 2)).reshape(BN, BKC)
+    bp, i, m2, d = _two_blocks(wr, nm, k0, K, 34, BKC)
+    q = tl.load(bp + 2 + i[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+    return d * q.to(tl.float32)
 
 
 @triton.jit
@@ -252,7 +218,70 @@ def _tile_q5_k(wr, nm, k0, K, BKC: tl.constexpr):
 def _tile_q6_k(wr, nm, k0, K, BKC: tl.constexpr):
     """Q6_K, 210-byte blocks: ql[128], qh[64], scales[16] int8, d f16; weight e = 128n + 32g + l has
     low 4 bits in ql[64n + 32(g%2) + l] (nibble g//2), high 2 bits in qh[32n + l] >> 2g, scale e // 16;
-    w = d * scale * (q - 32)."""
+    w = d * scale * (q - 32). As int32 words when K % 512 == 0 (rows of 420-byte multiples), else bytes."""
+    if K % 512 == 0:
+        w = _tile_q6_k_words(wr, nm, k0, BKC)
+    else:
+        w = _tile_q6_k_bytes(wr, nm, k0, BKC)
+    return w
+
+
+@triton.jit
+def _fsh(lo, hi, sh):
+    """Funnel shift: the low 32 bits of the 64-bit {hi:lo} >> sh (0 <= sh < 32), int32 words -> uint32."""
+    x = (hi.to(tl.uint32).to(tl.uint64) << 32) | lo.to(tl.uint32).to(tl.uint64)
+    return (x >> sh).to(tl.uint32)
+
+
+@triton.jit
+def _q6x4(x, s):
+    """Words x [BN, 2, 2, 4] (uint32) of 4 six-bit q each -> [BN, 2, 2, 4, 4] floats s * (q - 32), the byte
+    last (s [BN, 2, 2, 1]; magic-number int -> float: (q | 0x4B000000) as float = 2^23 + q)."""
+    q0 = ((x & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+    q1 = (((x >> 8) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+    q2 = (((x >> 16) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+    q3 = ((x >> 24) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+    w = tl.join(tl.join(s * q0, s * q2), tl.join(s * q1, s * q3))  # [..., 2, 2]: q_b at [..., b % 2, b // 2]
+    return w.reshape(x.shape[0], x.shape[1], x.shape[2], x.shape[3], 4)
+
+
+@triton.jit
+def _tile_q6_k_words(wr, nm, k0, BKC: tl.constexpr):
+    """Q6_K when K % 512 == 0: every row starts 4-byte aligned, so block b starts 2 * (b % 2) bytes past the
+    word boundary below it (b * 210 = 2b mod 4), and so does each of its fields (offsets 0, 64, 128, 192,
+    208 are multiples of 4). Its words W[i] are read from that boundary and realigned by funnel shifts,
+    (W[i+1]:W[i]) >> 16 for odd blocks (one extra word per run; never past the block's row: an even block
+    is followed by the odd one in the same row). A step is chunk c = 2n + cc of the block: weights
+    j = 0..63 have ql bytes 64n + j (nibble cc), qh bytes 32n + j % 32 (bits 2(2cc + j // 32)), scales
+    4c + j // 16. Tiles [BN, 2 (h = j // 32), 2 (t2 = j // 16 % 2), 4 (w = j // 4 % 4)] of words, so that
+    each 16-weight group's scale is one value per (row, h, t2), and K order is the plain reshape."""
+    BN: tl.constexpr = wr.shape[0]
+    b = k0 // 256
+    odd = b % 2
+    c = (k0 % 256) // 64
+    n = c // 2
+    cc = c % 2
+    bw = (wr + b * 210 - 2 * odd).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] word boundary
+    h = tl.arange(0, 2)[None, :, None, None]
+    t2 = tl.arange(0, 2)[None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, :]
+    p = bw[:, None, None, None]
+    m4 = nm[:, None, None, None]
+    iql = 16 * n + 8 * h + 4 * t2 + v  # [1, 2, 2, 4] ql words
+    ql = _fsh(_word(p + iql, m4), _word(p + iql + 1, m4), 16 * odd + 4 * cc)
+    iqh = 32 + 8 * n + 4 * t2 + v  # [1, 1, 2, 4] qh words (the same for both h)
+    qh = _fsh(_word(p + iqh, m4), _word(p + iqh + 1, m4), 16 * odd + 4 * cc + 2 * h)  # [BN, 2, 2, 4]
+    q = (ql & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)  # 4 q (0..63) per word
+    sw = _fsh(_word(bw + 48 + c, nm), _word(bw + 49 + c, nm), 16 * odd)  # [BN] scales[4c:4c+4]
+    d = ((_word(bw + 52, nm) >> (16 * odd)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sc = ((sw[:, None, None, None] >> (8 * (2 * h + t2))) & 255).to(tl.uint8).to(tl.int8, bitcast=True)
+    s = d[:, None, None, None] * sc.to(tl.float32)  # [BN, 2, 2, 1] as (d * scale) * (q - 32) below
+    return _q6x4(q, s).reshape(BN, BKC)
+
+
+@triton.jit
+def _tile_q6_k_bytes(wr, nm, k0, BKC: tl.constexpr):
+    """Q6_K byte by byte (any K)."""
     j = tl.arange(0, BKC)
     bp = wr + (k0 // 256) * 210
     e = (k0 % 256) + j  # [BK] position in the super-block
@@ -391,7 +420,7 @@ def _check(qtype: int) -> None:
 def _k_ok(qtype: int, k: int, w: torch.Tensor) -> None:
     if k % GEOMETRY[qtype][0] or (GEOMETRY[qtype][0] == 256 and k % BK):
         raise ValueError(f"K = {k} is not a whole number of blocks of GGML type {qtype}")
-    if w.data_ptr() % 4:  # the Q4_K / Q8_0 decoders read the blocks as 32-bit words
+    if w.data_ptr() % 4:  # the Q4_K / Q6_K decoders read the blocks as 32-bit words
         raise ValueError(f"weights of GGML type {qtype} must start at a 4-byte aligned address")
 
 
