@@ -38,7 +38,7 @@ DEFAULT_CHUNK = 2048
 # benchmarks/bench_qgemm.py and bench_prefill.py on the H200 (benchmarks/NOTES.md section 6). Float
 # expert weights (F16/BF16/F32: no decode, bandwidth-bound) prefer narrower token blocks.
 TILES: dict[str, qg.GemmTile] = {
-    "dense": qg.GemmTile(64, 64, 4, 3),
+    "dense": qg.GemmTile(64, 32, 4, 3),
     "gate_up": qg.GemmTile(128, 128, 8, 3),
     "down": qg.GemmTile(128, 128, 8, 3),
 }
@@ -98,7 +98,8 @@ class FastPrefill:
         return torch.cat([w.raw.reshape(-1, w.raw.shape[-1]) for w in ws]), int(ws[0].qtype.ggml)
 
     def _ffn(self, L: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 (normalised) -> [T, N] f32."""
+        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 (normalised) -> each token's
+        weighted expert outputs [T, K, N] float32 (their sum is the block output)."""
         cfg = self.cfg
         T = x.shape[0]
         if cfg.is_moe:
@@ -129,7 +130,7 @@ class FastPrefill:
         qg.moe_gate_up(xa, wg, wu, qgt, qut, routing, h, self.spec.act, exact=self.exact, tile=t_gu)
         y = torch.empty(ids.numel(), wd.shape[1], device=x.device, dtype=torch.float32)  # [T*K, N]
         qg.moe_down(h, wd, qdt, routing, route_w.view(-1), y, exact=self.exact, tile=t_dn)
-        return y.view(T, ids.shape[1], -1).sum(1)
+        return y.view(T, ids.shape[1], -1)  # [T, K, N]: the next add_rms_norm sums the K parts
 
     def _dequant(self, w: QTensor) -> tuple[torch.Tensor, int]:
         """A whole (expert) matrix dequantized, as typed rows the GEMM reads: ([E, M, K] bytes view, type)."""
@@ -207,9 +208,9 @@ class FastPrefill:
             if spec.post_norms:
                 h = ref.rms_norm(h, L["post_attention_norm"], cfg.rms_eps)
             po.add_rms_norm(x, L["ffn_norm"], cfg.rms_eps, xn, h)
-            h = self._ffn(L, xn)
+            h = self._ffn(L, xn)  # [T, K, N]
             if spec.post_norms:
-                h = ref.rms_norm(h, L["post_ffw_norm"], cfg.rms_eps)
+                h = ref.rms_norm(h.sum(1), L["post_ffw_norm"], cfg.rms_eps)
         if last_only:
             x, h = x[-1:], h[-1:]
             xn = xn[-1:]

@@ -66,6 +66,20 @@ def test_add_rms_norm(gen: torch.Generator, t: int, n: int, with_h: bool, out_dt
         close(out, want.to(out_dtype), HALF_RTOL[out_dtype])
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_add_rms_norm_sums_parts(gen: torch.Generator, k: int) -> None:
+    """h [T, K, N] (each token's weighted expert outputs) adds sum_k h[:, k] to x, in order k = 0..K-1."""
+    x0, w, h = randn(gen, 5, 96, scale=3.0), randn(gen, 96), randn(gen, 5, k, 96)
+    x = x0.clone()
+    out = nan(5, 96)
+    ops.add_rms_norm(x, w, 1e-6, out, h)
+    parts = h[:, 0].clone()
+    for i in range(1, k):
+        parts += h[:, i]
+    assert torch.equal(x, x0 + parts)
+    close(out, ref.rms_norm(x0 + parts, w, 1e-6), 1e-6)
+
+
 def test_add_rms_norm_bf16_rounds_to_nearest(gen: torch.Generator) -> None:
     """The bf16 output is torch's own (round-to-nearest-even) cast of the kernel's f32 output, bit for bit."""
     x, w = randn(gen, 7, 200, scale=3.0), randn(gen, 200)

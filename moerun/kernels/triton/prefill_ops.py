@@ -23,16 +23,20 @@ from moerun.kernels.triton.decode_ops import QK_NORM_KINDS, ROPE_STYLES, _cast_s
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, out_ptr, eps, N, x_st, h_st, out_st,
-                         HAS_H: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """One row per program. x: [T, N] f32 (updated in place to x + h when HAS_H), h: [T, N] f32, w: [N] f32
+def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, out_ptr, eps, N, x_st, h_st, h_kst, out_st,
+                         HAS_H: tl.constexpr, KH: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program. x: [T, N] f32 (updated in place to x + sum_k h[:, k] when HAS_H), h: [T, KH, N]
+    f32 (KH parts added in order k = 0..KH-1, then to x), w: [N] f32
     -> out: [T, N] (f32/f16/bf16) = x * rsqrt(mean(x^2) + eps) * w."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * x_st + offs, mask=mask, other=0.0)
     if HAS_H:
-        x = x + tl.load(h_ptr + row * h_st + offs, mask=mask, other=0.0)
+        hs = tl.load(h_ptr + row * h_st + offs, mask=mask, other=0.0)
+        for k in tl.static_range(1, KH):
+            hs += tl.load(h_ptr + row * h_st + k * h_kst + offs, mask=mask, other=0.0)
+        x = x + hs
         tl.store(x_ptr + row * x_st + offs, x, mask=mask)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
@@ -41,18 +45,22 @@ def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, out_ptr, eps, N, x_st, h_st, out_s
 
 def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
                  h: torch.Tensor | None = None) -> torch.Tensor:
-    """With h: x += h (in place), then out = x * rsqrt(mean(x^2) + eps) * w, per row.
+    """With h: x += h (in place; h [T, K, N] adds the sum of its K parts, e.g. each token's expert outputs),
+    then out = x * rsqrt(mean(x^2) + eps) * w, per row.
 
-    x: [T, N] f32 (the residual stream; rows may be strided, stride(1) == 1), w: [N] f32, h: [T, N] f32 or None,
-    out: [T, N] f32 / f16 / bf16 (rounded to nearest on store). N <= 16384. One launch of T programs. Returns out.
+    x: [T, N] f32 (the residual stream; rows may be strided, stride(1) == 1), w: [N] f32, h: [T, N] or
+    [T, K, N] f32 or None, out: [T, N] f32 / f16 / bf16 (rounded to nearest on store). N <= 16384. One launch
+    of T programs. Returns out.
     """
     t, n = x.shape
-    assert x.stride(1) == 1 and out.stride(1) == 1 and (h is None or h.stride(1) == 1)
-    assert out.shape == x.shape and (h is None or h.shape == x.shape) and w.shape == (n,)
+    h3 = None if h is None else (h[:, None] if h.dim() == 2 else h)  # [T, K, N]
+    assert x.stride(1) == 1 and out.stride(1) == 1 and (h3 is None or h3.stride(2) == 1)
+    assert out.shape == x.shape and (h3 is None or (h3.shape[0], h3.shape[2]) == (t, n)) and w.shape == (n,)
     block = _np2(n)
-    hh = x if h is None else h
-    _add_rms_norm_kernel[(t,)](x, hh, w, out, float(eps), n, x.stride(0), hh.stride(0), out.stride(0),
-                               HAS_H=h is not None, OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block,
+    hh = x[:, None] if h3 is None else h3
+    _add_rms_norm_kernel[(t,)](x, hh, w, out, float(eps), n, x.stride(0), hh.stride(0), hh.stride(1),
+                               out.stride(0), HAS_H=h is not None, KH=hh.shape[1],
+                               OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block,
                                num_warps=8 if block >= 4096 else 4)
     return out
 
