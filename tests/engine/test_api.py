@@ -81,7 +81,8 @@ def test_stop_string_cuts_the_text(model: moerun.Model) -> None:
 def test_eog_ends_generation(model: moerun.Model) -> None:
     """Make every token but the EOG one impossible: generation ends at once with no text."""
     eog = min(model.tokenizer.eog_ids)
-    out = model.engine.model  # the reference forward; bias its logits through a wrapper
+    eng = model.engine  # bias the logits of whichever forward runs prompts (fast prefill on CUDA)
+    out = eng.prefiller if eng.prefiller is not None else eng.model
     orig = out.forward
 
     def biased(*args, **kwargs):
