@@ -1,10 +1,12 @@
 """Fast prompt processing: every token of a chunk at once through batched kernels.
 
 Per layer: the projections are quantized GEMMs (weights decoded tile by tile inside the kernel,
-kernels/triton/qgemm.py), the routed experts a grouped GEMM over the tokens sorted by expert on the
-device (no host sync), and attention torch's scaled_dot_product_attention (flash / memory-efficient
-kernels) over the KV cache, which the chunk's keys and values are written into first. Norms, RoPE and
-routing are the reference's own torch functions (elementwise work, a few launches per layer).
+kernels/triton/qgemm.py; Q, K and V stacked into one), the routed experts a grouped GEMM per matrix over
+the token-expert assignments grouped by expert on the device (moe_align.py, no host sync), and
+attention torch's scaled_dot_product_attention (flash / memory-efficient kernels) over the KV cache,
+which the chunk's keys and values are written into first. Residual add + RMSNorm (which also sums each
+token's expert outputs), QK-norm + RoPE + KV store, and the router's softmax/top-k are one Triton
+launch each (kernels/triton/prefill_ops.py): ~20 launches per layer.
 
 Long prompts run in chunks of `chunk` tokens (each continues the cache like a multi-turn prompt), so
 intermediate buffers stay bounded whatever the prompt length.
