@@ -99,9 +99,10 @@ class FastPrefill:
             return None
         return torch.cat([w.raw.reshape(-1, w.raw.shape[-1]) for w in ws]), int(ws[0].qtype.ggml)
 
-    def _ffn(self, L: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 (normalised) -> each token's
-        weighted expert outputs [T, K, N] float32 (their sum is the block output)."""
+    def _ffn(self, L: dict[str, Any], x: torch.Tensor, xa: torch.Tensor) -> torch.Tensor:
+        """Routed experts (or the dense MLP as one expert) of x [T, N] float32 (normalised; xa: the same in
+        the act dtype) -> each token's weighted expert outputs [T, K, N] float32 (their sum is the block
+        output). The router reads the float32 x."""
         cfg = self.cfg
         T = x.shape[0]
         if cfg.is_moe:
@@ -127,7 +128,6 @@ class FastPrefill:
             t_gu = t_dn = FLOAT_EXPERT_TILE
         assert t_gu.block_m == t_dn.block_m, "gate/up and down share the routing's BLOCK_M"
         routing = qg.moe_align(ids, n_expert, t_gu.block_m)
-        xa = x.to(self.act_dtype)
         h = torch.empty(routing.rows.shape[0], wg.shape[1], device=x.device, dtype=self.act_dtype)  # [P, F]
         qg.moe_gate_up(xa, wg, wu, qgt, qut, routing, h, self.spec.act, exact=self.exact, tile=t_gu)
         y = torch.empty(ids.numel(), wd.shape[1], device=x.device, dtype=torch.float32)  # [T*K, N]
@@ -170,11 +170,10 @@ class FastPrefill:
                                                scale=self.cfg.attn_scale)
         return o[0].transpose(0, 1)  # [T, H, Dv]
 
-    def _attention(self, i: int, L: dict[str, Any], x: torch.Tensor, pos0: int) -> torch.Tensor:
-        """x [T, N] float32 (normalised) at positions pos0.. -> attention block output [T, N] float32."""
+    def _attention(self, i: int, L: dict[str, Any], xa: torch.Tensor, pos0: int) -> torch.Tensor:
+        """xa [T, N] normalised, in the act dtype, at positions pos0.. -> attention block output [T, N] f32."""
         cfg, spec = self.cfg, self.spec
-        T = x.shape[0]
-        xa = x.to(self.act_dtype)
+        T = xa.shape[0]
         qkv = self._qkv[i]
         if qkv is not None:  # one GEMM over the stacked rows; q, k, v are column slices of it
             q, k, v = self._linear_raw(xa, *qkv).split(
@@ -186,12 +185,12 @@ class FastPrefill:
         swa = cfg.swa_layers[i]
         kc, vc = self.cache.k[i], self.cache.v[i]
         q_dt = torch.float32 if self.exact or kc.dtype == torch.float32 else kc.dtype
-        q_rot = torch.empty(T, cfg.n_head, cfg.head_dim, device=x.device, dtype=q_dt)
+        q_rot = torch.empty(T, cfg.n_head, cfg.head_dim, device=xa.device, dtype=q_dt)
         po.qk_norm_rope_rows(q, k, v, L.get("attn_q_norm"), L.get("attn_k_norm"), self._rope[swa], pos0, kc, vc,
                              q_rot, eps=cfg.rms_eps, qk_norm=spec.qk_norm, rope_style=spec.rope_style)
         k_all, v_all = self.cache.read(i, pos0 + T)
         o = self._attend(q_rot, k_all, v_all, pos0, cfg.sliding_window if swa else 0)  # [T, H, Dv]
-        return self._linear(o.reshape(T, -1).to(self.act_dtype), L["attn_output"])  # [T, N]
+        return self._linear(o.reshape(T, -1), L["attn_output"])  # [T, N]; f16 o is cast to bf16 in the GEMM
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -202,22 +201,23 @@ class FastPrefill:
         x = dequantize(embd.raw.index_select(0, tokens), int(embd.qtype.ggml), (T, cfg.n_embd))  # [T, N] f32
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
-        xn = torch.empty_like(x)  # normalised input of the next block
+        xn = torch.empty_like(x)  # normalised input of the next block, float32 (router, final norm)
+        xa = xn if self.exact else torch.empty_like(x, dtype=self.act_dtype)  # the same, GEMM input dtype
+        lowp = None if self.exact else xa
         h = None  # output of the previous block, added to x by the next norm
         for i, L in enumerate(self.w.layers):
-            po.add_rms_norm(x, L["attn_norm"], cfg.rms_eps, xn, h)
-            h = self._attention(i, L, xn, pos0)
+            po.add_rms_norm(x, L["attn_norm"], cfg.rms_eps, xn, h, out2=lowp)
+            h = self._attention(i, L, xa, pos0)
             if spec.post_norms:
                 h = ref.rms_norm(h, L["post_attention_norm"], cfg.rms_eps)
-            po.add_rms_norm(x, L["ffn_norm"], cfg.rms_eps, xn, h)
-            h = self._ffn(L, xn)  # [T, K, N]
+            po.add_rms_norm(x, L["ffn_norm"], cfg.rms_eps, xn, h, out2=lowp)
+            h = self._ffn(L, xn, xa)  # [T, K, N]
             if spec.post_norms:
                 h = ref.rms_norm(h.sum(1), L["post_ffw_norm"], cfg.rms_eps)
         if last_only:
-            x, h = x[-1:], h[-1:]
-            xn = xn[-1:]
-        po.add_rms_norm(x, g["output_norm"], cfg.rms_eps, xn, h)
-        logits = self._linear(xn.to(self.act_dtype), g.get("output", g["token_embd"]))  # [T, V]
+            x, h, xn, xa = x[-1:], h[-1:], xn[-1:], xa[-1:]
+        po.add_rms_norm(x, g["output_norm"], cfg.rms_eps, xn, h, out2=None if self.exact else xa)
+        logits = self._linear(xa, g.get("output", g["token_embd"]))  # [T, V]
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits

@@ -80,6 +80,14 @@ def test_add_rms_norm_sums_parts(gen: torch.Generator, k: int) -> None:
     close(out, ref.rms_norm(x0 + parts, w, 1e-6), 1e-6)
 
 
+def test_add_rms_norm_second_output(gen: torch.Generator) -> None:
+    """out2 holds the same values in its own dtype: bf16 equal to torch's cast of the f32 output."""
+    x, w, h = randn(gen, 6, 200, scale=3.0), randn(gen, 200), randn(gen, 6, 2, 200)
+    out32, out16 = nan(6, 200), nan(6, 200, dtype=torch.bfloat16)
+    ops.add_rms_norm(x, w, 1e-5, out32, h, out2=out16)
+    assert torch.equal(out16, out32.to(torch.bfloat16))
+
+
 def test_add_rms_norm_bf16_rounds_to_nearest(gen: torch.Generator) -> None:
     """The bf16 output is torch's own (round-to-nearest-even) cast of the kernel's f32 output, bit for bit."""
     x, w = randn(gen, 7, 200, scale=3.0), randn(gen, 200)

@@ -8,7 +8,8 @@ P = padded_rows(A, E, BM) is a static upper bound, so no size depends on the rou
 
 Two kernels, one program per expert: `_count` counts each expert's assignments; `_place` derives the
 expert's padded start from all counts (experts before it), numbers its assignments with a running
-prefix sum over the ids and writes them and its blocks' expert id. torch-only twin: `moe_align_torch`.
+prefix sum over the ids and writes them, -1 in its padding, and its blocks' expert id (the last
+program marks the unused tail). torch-only twin: `moe_align_torch`.
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def _count_kernel(ids_ptr, counts_ptr, A, CH: tl.constexpr):
 
 
 @triton.jit
-def _place_kernel(ids_ptr, counts_ptr, rows_ptr, bexp_ptr, A, E, BM: tl.constexpr, EP: tl.constexpr,
+def _place_kernel(ids_ptr, counts_ptr, rows_ptr, bexp_ptr, A, E, P, BM: tl.constexpr, EP: tl.constexpr,
                   CH: tl.constexpr):
-    """Grid (E,): write expert e's assignments (ascending) at its padded start, and its blocks' id."""
+    """Grid (E,): write expert e's assignments (ascending) at its padded start, -1 in its padding rows and
+    its blocks' expert id; the last program also marks the unused tail (rows and blocks) with -1."""
     e = tl.program_id(0)
     j = tl.arange(0, EP)
     cnt = tl.load(counts_ptr + j, mask=j < E, other=0)
     padded = (cnt + BM - 1) // BM * BM
     start = tl.sum(tl.where(j < e, padded, 0), axis=0)
     mine = tl.sum(tl.where(j == e, padded, 0), axis=0)
+    n_mine = tl.sum(tl.where(j == e, cnt, 0), axis=0)
     b = start // BM
-    while b < (start + mine) // BM:
+    while b < (start + mine) // BM:  # (while loops: Triton's interpreter cannot range() over a runtime bound)
         tl.store(bexp_ptr + b, e)
         b += 1
     base = start
@@ -73,19 +76,32 @@ def _place_kernel(ids_ptr, counts_ptr, rows_ptr, bexp_ptr, A, E, BM: tl.constexp
         tl.store(rows_ptr + base + rank, i, mask=m)
         base += tl.sum(mi, axis=0)
         s += CH
+    pad = start + n_mine + tl.arange(0, BM)  # fewer than BM padding rows
+    tl.store(rows_ptr + pad, tl.full([BM], -1, tl.int32), mask=pad < start + mine)
+    if e == E - 1:
+        total = tl.sum(padded, axis=0)
+        s = total
+        while s < P:
+            i = s + tl.arange(0, CH)
+            tl.store(rows_ptr + i, tl.full([CH], -1, tl.int32), mask=i < P)
+            s += CH
+        b = total // BM
+        while b < P // BM:
+            tl.store(bexp_ptr + b, -1)
+            b += 1
 
 
 def moe_align(ids: torch.Tensor, n_expert: int, block_m: int) -> Routing:
-    """ids [T, topk] int (device) -> Routing (see module doc). Four launches, no host sync."""
+    """ids [T, topk] int (device) -> Routing (see module doc). Two launches, no host sync."""
     T, topk = ids.shape
     flat = ids.reshape(-1).to(torch.int32)  # [A]
     A = flat.shape[0]
     P = padded_rows(A, n_expert, block_m)
     counts = torch.empty(n_expert, dtype=torch.int32, device=ids.device)
-    rows = torch.full((P,), -1, dtype=torch.int32, device=ids.device)
-    bexp = torch.full((P // block_m,), -1, dtype=torch.int32, device=ids.device)
+    rows = torch.empty(P, dtype=torch.int32, device=ids.device)  # every entry written by _place_kernel
+    bexp = torch.empty(P // block_m, dtype=torch.int32, device=ids.device)
     _count_kernel[(n_expert,)](flat, counts, A, CH=CHUNK)
-    _place_kernel[(n_expert,)](flat, counts, rows, bexp, A, n_expert, BM=block_m,
+    _place_kernel[(n_expert,)](flat, counts, rows, bexp, A, n_expert, P, BM=block_m,
                                EP=triton.next_power_of_2(n_expert), CH=CHUNK)
     return Routing(rows, bexp, topk, block_m)
 

@@ -23,8 +23,9 @@ from moerun.kernels.triton.decode_ops import QK_NORM_KINDS, ROPE_STYLES, _cast_s
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, out_ptr, eps, N, x_st, h_st, h_kst, out_st,
-                         HAS_H: tl.constexpr, KH: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, out_ptr, out2_ptr, eps, N, x_st, h_st, h_kst, out_st, out2_st,
+                         HAS_H: tl.constexpr, KH: tl.constexpr, OUT_BF16: tl.constexpr, HAS_OUT2: tl.constexpr,
+                         OUT2_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program. x: [T, N] f32 (updated in place to x + sum_k h[:, k] when HAS_H), h: [T, KH, N]
     f32 (KH parts added in order k = 0..KH-1, then to x), w: [N] f32
     -> out: [T, N] (f32/f16/bf16) = x * rsqrt(mean(x^2) + eps) * w."""
@@ -40,17 +41,20 @@ def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, out_ptr, eps, N, x_st, h_st, h_kst
         tl.store(x_ptr + row * x_st + offs, x, mask=mask)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
-    _cast_store(out_ptr + row * out_st + offs, x * r * w, mask, OUT_BF16)
+    y = x * r * w
+    _cast_store(out_ptr + row * out_st + offs, y, mask, OUT_BF16)
+    if HAS_OUT2:  # the same values in a second dtype (e.g. the bf16 input of the following GEMMs)
+        _cast_store(out2_ptr + row * out2_st + offs, y, mask, OUT2_BF16)
 
 
 def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-                 h: torch.Tensor | None = None) -> torch.Tensor:
+                 h: torch.Tensor | None = None, out2: torch.Tensor | None = None) -> torch.Tensor:
     """With h: x += h (in place; h [T, K, N] adds the sum of its K parts, e.g. each token's expert outputs),
     then out = x * rsqrt(mean(x^2) + eps) * w, per row.
 
     x: [T, N] f32 (the residual stream; rows may be strided, stride(1) == 1), w: [N] f32, h: [T, N] or
-    [T, K, N] f32 or None, out: [T, N] f32 / f16 / bf16 (rounded to nearest on store). N <= 16384. One launch
-    of T programs. Returns out.
+    [T, K, N] f32 or None, out: [T, N] f32 / f16 / bf16 (rounded to nearest on store), out2: an optional second
+    [T, N] output of another dtype (same values, rounded to it). N <= 16384. One launch of T programs. Returns out.
     """
     t, n = x.shape
     h3 = None if h is None else (h[:, None] if h.dim() == 2 else h)  # [T, K, N]
@@ -58,10 +62,12 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor
     assert out.shape == x.shape and (h3 is None or (h3.shape[0], h3.shape[2]) == (t, n)) and w.shape == (n,)
     block = _np2(n)
     hh = x[:, None] if h3 is None else h3
-    _add_rms_norm_kernel[(t,)](x, hh, w, out, float(eps), n, x.stride(0), hh.stride(0), hh.stride(1),
-                               out.stride(0), HAS_H=h is not None, KH=hh.shape[1],
-                               OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block,
-                               num_warps=8 if block >= 4096 else 4)
+    o2 = out if out2 is None else out2
+    assert o2.shape == out.shape and o2.stride(1) == 1
+    _add_rms_norm_kernel[(t,)](x, hh, w, out, o2, float(eps), n, x.stride(0), hh.stride(0), hh.stride(1),
+                               out.stride(0), o2.stride(0), HAS_H=h is not None, KH=hh.shape[1],
+                               OUT_BF16=out.dtype == torch.bfloat16, HAS_OUT2=out2 is not None,
+                               OUT2_BF16=o2.dtype == torch.bfloat16, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out
 
 
