@@ -4,7 +4,7 @@
 
 For each variant (GEMM tiles, fused vs per-layer-dequantized expert weights, bf16 vs float32
 matrix inputs) times Engine.forward of N random tokens from position 0 (last-token logits, what
-`moerun bench`'s ppN runs), median of --reps after a warm-up, and prints a table; --profile adds the
+`moerun bench`'s ppN runs; first chunks replay as CUDA graphs unless the variant is "eager"), median of --reps after a warm-up, and prints a table; --profile adds the
 GPU time by kernel of one 512-token prefill with the default variant.
 """
 
@@ -24,6 +24,7 @@ from moerun.kernels.triton.qgemm import GemmTile
 
 VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPrefill options)
     "default": {},
+    "eager": {"graph_max": 0},
     "all 64x64 w4 s3": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
     "moe 64x64 w4 s2": {"tiles": {"gate_up": GemmTile(64, 64, 4, 2), "down": GemmTile(64, 64, 4, 2)}},
     "moe 64x128 w4 s3": {"tiles": {"gate_up": GemmTile(64, 128, 4, 3), "down": GemmTile(64, 128, 4, 3)}},
@@ -32,7 +33,7 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "experts dequant": {"experts": "dequant"},
     "float32 exact": {"exact": True},
 }
-DEFAULT_VARIANTS = "default,all 64x64 w4 s3,moe 64x128 w4 s3,dense 64x32 w4 s3"
+DEFAULT_VARIANTS = "default,eager"
 
 
 def time_prefill(eng: Engine, n: int, reps: int) -> float:
@@ -71,6 +72,9 @@ def main() -> None:
         p.exact = v.get("exact", False)
         p.act_dtype = torch.float32 if p.exact else torch.bfloat16
         p.experts = v.get("experts", "fused")
+        p.graph_max = v.get("graph_max", fp.DEFAULT_GRAPH_MAX)
+        p._graphs.clear()  # graphs captured under another variant's tiles
+        p._seen.clear()
         try:
             res = [n / time_prefill(eng, n, args.reps) for n in counts]
         except Exception as e:  # a tile that does not compile here: show it, keep going
@@ -82,6 +86,7 @@ def main() -> None:
     fp.TILES.update(base_tiles)
     p = eng.prefiller
     p.exact, p.act_dtype, p.experts = False, torch.bfloat16, "fused"
+    p.graph_max = 0  # the profile shows the kernels of an eager forward
     if args.profile:
         toks = list(range(1, 513))
         eng.reset()

@@ -4,7 +4,7 @@
 # Stages: kernels (Triton kernel + dequant tests on CUDA), micro (kernel micro-benchmarks),
 #   olmoe:TYPE (synthesize the full-size OLMoE file, profile and bench reference vs fast decode),
 #   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B),
-#   prefill:TYPE (prefill variants, profile and pp512/pp4096 of OLMoE), prefilltests (GEMM + prefill tests).
+#   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
@@ -47,7 +47,7 @@ for stage in "$@"; do
       timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
       timeout 400 python3 benchmarks/bench_prefill.py "$f" --profile ${PREFILL_VARIANTS:+--variants "$PREFILL_VARIANTS"} \
         2>&1 | grep -v "loading to" | tee -a "$LOG"
-      bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n 0 -r 5
+      bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n ${PREFILL_TG:-128} -r 5
       rm -f "$f" ;;
     prefilltests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"

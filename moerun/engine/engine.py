@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from moerun.engine.device import KV_DTYPES, pick_device, pick_dtype
 from moerun.engine.fast_decode import FastDecoder
-from moerun.engine.fast_prefill import DEFAULT_CHUNK, FastPrefill
+from moerun.engine.fast_prefill import DEFAULT_CHUNK, DEFAULT_GRAPH_MAX, FastPrefill
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.errors import ContextOverflow, MoerunError, ShapeMismatch
@@ -58,7 +58,8 @@ class Engine:
         float32, except that fast prefill on CUDA then multiplies in bf16, see prefill_dtype).
         kv_dtype: KV cache dtype (default float16 on CUDA, else the compute dtype). fast: use the fused
         decode step (default: on CUDA). ops: "triton" or "torch" kernels for it (default: triton on
-        CUDA). graph: replay the fast step as one CUDA graph (CUDA only; False = eager, for debugging).
+        CUDA). graph: replay the fast decode step, and repeated first-prompt lengths of fast prefill (padded
+        to a multiple of 128 tokens, up to 1024), as CUDA graphs (CUDA only; False = eager, for debugging).
         prefill: "fast" (batched Triton GEMMs, default on CUDA) or "reference" (the plain-torch
         forward, default elsewhere) for prompts. prefill_dtype: matrix inputs of fast prefill,
         bfloat16 (tensor cores) or float32 (exact); default: `dtype` when given, else bfloat16 on CUDA.
@@ -95,7 +96,7 @@ class Engine:
                 raise MoerunError("the fast prefill path needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
             pdt = pick_dtype(prefill_dtype or dtype or (torch.bfloat16 if on_cuda else torch.float32))
             self.prefiller = FastPrefill(self.spec, self.cfg, weights, self.cache, exact=pdt == torch.float32,
-                                         chunk=prefill_chunk)
+                                         chunk=prefill_chunk, graph_max=DEFAULT_GRAPH_MAX if graph else 0)
 
     def _context_size(self, n_ctx: int | None) -> int:
         train = self.cfg.n_ctx_train

@@ -11,6 +11,15 @@ launch each (kernels/triton/prefill_ops.py): ~20 launches per layer.
 Long prompts run in chunks of `chunk` tokens (each continues the cache like a multi-turn prompt), so
 intermediate buffers stay bounded whatever the prompt length.
 
+CUDA graphs: a prompt is launch-bound on the host below a few thousand tokens (~15 launches per layer,
+tens of microseconds each from Python). A prompt chunk at position 0 (the first chunk of every
+conversation; what `moerun bench`'s ppN times) whose logits are wanted only for its last token is
+therefore replayed as a CUDA graph: its length is padded up to a multiple of GRAPH_STEP (padding tokens
+come after the real ones, so causal attention keeps them out of every real token's result; their cache
+rows lie past the filled positions and are overwritten by the next tokens), one graph per padded length
+up to `graph_max` tokens, captured the second time a length is seen (the first time runs eagerly), all
+sharing one memory pool. Later chunks (positions > 0) run eagerly.
+
 Numerics: `exact` multiplies in float32 (tensor cores in "ieee" mode: the reference's precision);
 otherwise matrix inputs are rounded to bf16 with float32 accumulation, as the reference's bf16 mode.
 The residual stream, norms, softmax and routing are float32 in both.
@@ -35,6 +44,8 @@ from moerun.quant.qtensor import QTensor
 from moerun.quant.registry import dequantize
 
 DEFAULT_CHUNK = 2048
+GRAPH_STEP = 128  # prompt lengths are padded to a multiple of this for graph replay
+DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer ones amortise their launches)
 
 # Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs), from
 # benchmarks/bench_qgemm.py and bench_prefill.py on the H200 (benchmarks/NOTES.md section 6). Float
@@ -61,10 +72,12 @@ class FastPrefill:
     """Batched forward of prompt chunks for one model and one KV cache."""
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
-                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused") -> None:
+                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused",
+                 graph_max: int = DEFAULT_GRAPH_MAX) -> None:
         """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
         each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
-        the same GEMM on those (the alternative benchmarks/bench_prefill.py measures)."""
+        the same GEMM on those (the alternative benchmarks/bench_prefill.py measures).
+        graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only)."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact
         if experts not in ("fused", "dequant"):
@@ -73,6 +86,10 @@ class FastPrefill:
         self.tile_overrides: set[str] = set()  # kinds whose TILES entry a benchmark set explicitly
         self.chunk = chunk
         self.act_dtype = torch.float32 if exact else torch.bfloat16  # dtype of matrix inputs
+        self.graph_max = graph_max if cache.k[0].device.type == "cuda" else 0
+        self._graphs: dict[int, _ChunkGraph] = {}  # padded length -> captured first-chunk forward
+        self._seen: set[int] = set()  # padded lengths run once (captured the next time)
+        self._pool: Any = None  # memory pool the graphs share
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
         dev, factors = cache.k[0].device, weights.globals.get("rope_freqs")
         self._rope = {False: rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors, dev)}
@@ -194,7 +211,10 @@ class FastPrefill:
 
     # --- forward --------------------------------------------------------------------------------
 
-    def _chunk(self, tokens: torch.Tensor, pos0: int, last_only: bool) -> torch.Tensor:
+    def _chunk(self, tokens: torch.Tensor, pos0: int, last_only: bool, last: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """tokens [T] at positions pos0.. -> logits [T, V], or [1, V] of the last token with last_only (of
+        row `last` [1] int64 when given: a padded chunk's last real token)."""
         cfg, spec, g = self.cfg, self.spec, self.w.globals
         T = tokens.shape[0]
         embd = g["token_embd"]
@@ -215,7 +235,9 @@ class FastPrefill:
             if spec.post_norms:
                 h = ref.rms_norm(h.sum(1), L["post_ffw_norm"], cfg.rms_eps)
         if last_only:
-            x, h, xn, xa = x[-1:], h[-1:], xn[-1:], xa[-1:]
+            rows = (lambda t: t[-1:]) if last is None else (lambda t: t.index_select(0, last))
+            x, h, xn = rows(x), rows(h), rows(xn)
+            xa = xn if self.exact else rows(xa)  # exact: one buffer for both
         po.add_rms_norm(x, g["output_norm"], cfg.rms_eps, xn, h, out2=None if self.exact else xa)
         logits = self._linear(xa, g.get("output", g["token_embd"]))  # [T, V]
         if cfg.final_logit_softcap:
@@ -226,6 +248,60 @@ class FastPrefill:
         """tokens [T] int64 (device) at positions pos0.. -> logits [T, V] (or [1, V]) float32; fills the
         cache. Runs in chunks of `chunk` tokens; with last_only each chunk computes only its last row's
         logits and the final chunk's are returned."""
-        outs = [self._chunk(tokens[s:s + self.chunk], pos0 + s, last_only)
-                for s in range(0, tokens.shape[0], self.chunk)]
+        outs = []
+        for s in range(0, tokens.shape[0], self.chunk):
+            part = tokens[s:s + self.chunk]
+            graph = self._graph(part.shape[0]) if last_only and pos0 + s == 0 else None
+            outs.append(graph.run(part) if graph is not None else self._chunk(part, pos0 + s, last_only))
         return outs[-1] if last_only else torch.cat(outs)
+
+    # --- CUDA graphs of first chunks ------------------------------------------------------------
+
+    def _graph(self, T: int) -> _ChunkGraph | None:
+        """The graph a T-token first chunk replays: captured now if its padded length was seen before;
+        None (run eagerly) the first time, or when the padded length exceeds graph_max or the cache."""
+        padded = -(-T // GRAPH_STEP) * GRAPH_STEP
+        if padded > min(self.graph_max, self.cache.n_ctx):
+            return None
+        if padded not in self._graphs and padded in self._seen:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._graphs[padded] = _ChunkGraph(self, padded, self._pool)
+        self._seen.add(padded)
+        return self._graphs.get(padded)
+
+    def padded_forward(self, tokens: torch.Tensor, padded: int) -> torch.Tensor:
+        """What a graph replays, run eagerly: tokens [T] padded with token 0 to `padded` rows at position
+        0 -> logits [1, V] of the last real token (tests check it equals the unpadded forward)."""
+        buf = torch.zeros(padded, dtype=torch.long, device=tokens.device)
+        buf[:tokens.shape[0]] = tokens
+        last = torch.full((1,), tokens.shape[0] - 1, dtype=torch.long, device=tokens.device)
+        return self._chunk(buf, 0, True, last)
+
+
+class _ChunkGraph:
+    """One captured first-chunk forward at a padded length: static token and last-row inputs, logits out."""
+
+    def __init__(self, owner: FastPrefill, padded: int, pool: Any) -> None:
+        """Warm up and capture (the warm-up fills cache rows 0..padded-1 with padding: the first replay,
+        which follows at once, overwrites them)."""
+        dev = owner.cache.k[0].device
+        self.tokens = torch.zeros(padded, dtype=torch.long, device=dev)  # [padded] token ids, 0 = padding
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)  # [1] row of the last real token
+        self.graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up at this shape (Triton kernels compiled and loaded)
+            owner._chunk(self.tokens, 0, True, self.last)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = owner._chunk(self.tokens, 0, True, self.last)  # [1, V]
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] (T <= padded) at position 0 -> logits [1, V] float32 (a copy: graphs share memory)."""
+        T = tokens.shape[0]
+        self.tokens[:T].copy_(tokens)
+        self.tokens[T:].zero_()
+        self.last.fill_(T - 1)
+        self.graph.replay()
+        return self.logits.clone()

