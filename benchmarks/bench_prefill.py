@@ -3,9 +3,9 @@
     python benchmarks/bench_prefill.py MODEL.gguf [--tokens 512,4096] [--reps 5] [--profile]
 
 For each variant (GEMM tiles, fused vs per-layer-dequantized expert weights, bf16 vs float32
-matrix inputs) times Engine.forward of N random tokens from position 0 (last-token logits, what
-`moerun bench`'s ppN runs; first chunks replay as CUDA graphs unless the variant is "eager"), median of --reps after a warm-up, and prints a table; --profile adds the
-GPU time by kernel of one 512-token prefill with the default variant.
+matrix inputs, CUDA graphs or eager) times Engine.forward of N random tokens from position 0
+(last-token logits, what `moerun bench`'s ppN runs), median of --reps after a warm-up, and prints a
+table; --profile adds the GPU time by kernel of one eager 512-token prefill.
 """
 
 from __future__ import annotations
