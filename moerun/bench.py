@@ -6,8 +6,10 @@ Definitions (the same as llama-bench's):
 - tgN: N single-token steps at positions depth..depth+N-1, each `Engine.decode` -- the step `generate`
   uses: logits, the token chosen on the device, the chosen id copied to the host before the next step.
 - depth d: the KV cache is filled with d random tokens (untimed) before the timed part.
-- Each repetition starts from `Engine.reset()`; `warmup` untimed repetitions run first; t/s is the
-  median over repetitions, with the standard deviation as spread. Timing synchronises the device.
+- Each repetition starts from `Engine.reset()`; `warmup` untimed repetitions run first (ppN: at least
+  two when warming up at all: the engine captures a prompt length's CUDA graph on its second run);
+  t/s is the median over repetitions, with the standard deviation as spread. Timing synchronises the
+  device.
 
 Bytes per token (for GB/s and the roofline) come from the file's tensor table: every tensor a decode
 step reads, expert tensors (`*_exps`) scaled by n_expert_used / n_expert, one row of `token_embd` (all
@@ -266,7 +268,7 @@ def run_test(engine: Engine, spec: TestSpec, reps: int, warmup: int = 1, seed: i
     """`warmup` untimed then `reps` timed repetitions of `spec` -> seconds of each timed one."""
     gen = torch.Generator().manual_seed(seed)
     timer = time_pp if spec.kind == "pp" else time_tg
-    for _ in range(warmup):
+    for _ in range(max(warmup, 2) if spec.kind == "pp" and warmup else warmup):
         timer(engine, spec.n, spec.depth, gen)
     return [timer(engine, spec.n, spec.depth, gen) for _ in range(reps)]
 

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-d", "--n-depth", default="0", metavar="D[,D...]",
                    help="tokens in the KV cache before each test (default 0)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed repetitions per test (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1; ppN at least 2)")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="output format (default md)")
     p.add_argument("--output-file", metavar="PATH", help="also write the full JSON report to PATH")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: $MOERUN_DEVICE, else CUDA if present)")
