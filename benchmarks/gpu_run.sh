@@ -4,7 +4,8 @@
 # Stages: kernels (Triton kernel + dequant tests on CUDA), micro (kernel micro-benchmarks),
 #   olmoe:TYPE (synthesize the full-size OLMoE file, profile and bench reference vs fast decode),
 #   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B),
-#   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests).
+#   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests),
+#   qgemmtests (GEMM kernel tests only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
@@ -49,6 +50,7 @@ for stage in "$@"; do
         2>&1 | grep -v "loading to" | tee -a "$LOG"
       bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n ${PREFILL_TG:-128} -r 5
       rm -f "$f" ;;
+    qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"
       MOERUN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/engine/test_fast_prefill.py 2>&1 | tail -5 \

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.triton import qgemm as qgemm_mod  # noqa: E402
 from moerun.kernels.triton.moe_align import moe_align_torch  # noqa: E402
 from moerun.kernels.triton.qgemm import GemmTile, moe_align, moe_down, moe_gate_up, padded_rows, qgemm  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY  # noqa: E402
@@ -73,6 +74,21 @@ def test_qgemm(qtype, exact, device, rng) -> None:
     qgemm(a.to(device), raw, int(qtype), out, exact=exact, tile=TILE)
     _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL if exact else BF16_TOL,
            f"{qtype.name} seed {seed}")
+
+
+@pytest.mark.parametrize("qtype,k", [(T.Q8_0, 288), (T.Q8_0, 320), (T.Q6_K, 512), (T.Q6_K, 768)],
+                         ids=["Q8_0-K288", "Q8_0-K320", "Q6_K-K512", "Q6_K-K768"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "plain"])
+def test_prefetch_paths(qtype, k, prefetch, device, rng, monkeypatch) -> None:
+    """Q8_0 / Q6_K with the raw weights loaded one step ahead (where K allows) and without."""
+    monkeypatch.setattr(qgemm_mod, "PREFETCH_TYPES", {8, 14} if prefetch else set())
+    gen, seed = rng
+    t, m = 19, 45
+    raw, w = _weights(qtype, (m,), k, gen, device)
+    a = _mat(gen, t, k)
+    out = torch.full((t, m), float("nan"), device=device)
+    qgemm(a.to(device), raw, int(qtype), out, exact=True, tile=TILE)
+    _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL, f"{qtype.name} K={k} seed {seed}")
 
 
 def test_moe_align(device, rng) -> None:

@@ -35,6 +35,13 @@ from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU interpreter: emulate bf16 (see _mma)
 BK = 64  # weights of K per step: one Q4_K/Q5_K/Q6_K 64-weight chunk, two 32-blocks, 64 floats
+PREFETCH_TYPES = {8, 14}  # types whose weight bytes the kernel loads one step ahead (see _qgemm_kernel)
+_PREFETCH_K = {8: 64, 14: 512}  # ... when K is a multiple of this (word-aligned rows)
+
+
+def _prefetch(k: int, *qtypes: int) -> bool:
+    """Whether the kernel loads the raw weights of these types one step ahead (one type for both streams)."""
+    return len(set(qtypes)) == 1 and qtypes[0] in PREFETCH_TYPES and k % _PREFETCH_K[qtypes[0]] == 0
 
 
 class GemmTile(NamedTuple):
@@ -79,6 +86,33 @@ def _tile_q8_0(wr, nm, k0, K, BKC: tl.constexpr):
     bp, i, m2, d = _two_blocks(wr, nm, k0, K, 34, BKC)
     q = tl.load(bp + 2 + i[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
     return d * q.to(tl.float32)
+
+
+@triton.jit
+def _ld_q8_0(wr, nm, k0, K, BKC: tl.constexpr):
+    """Raw bytes of the Q8_0 step at k0 when K % 64 == 0 (its two 34-byte blocks are 17 words from a 4-byte
+    boundary): q [BN, BK] uint8 and the words holding d0 (low half of word 0) and d1 (high half of word 8)
+    [BN] int32; a step at k0 >= K reads nothing (zeros). Loaded one step ahead by the kernel (PREFETCH):
+    byte loads are too narrow for Triton's asynchronous-copy pipelining."""
+    j = tl.arange(0, BKC)
+    m = nm & (k0 < K)
+    bp = wr + (k0 // 64) * 68  # [BN] start of the step's block pair
+    bw = bp.to(tl.pointer_type(tl.int32), bitcast=True)
+    dw0 = tl.load(bw, mask=m, other=0)
+    dw1 = tl.load(bw + 8, mask=m, other=0)
+    q = tl.load(bp[:, None] + (2 + j + 2 * (j // 32))[None, :], mask=m[:, None] & (j >= 0)[None, :], other=0)
+    return q, dw0, dw1
+
+
+@triton.jit
+def _dq_q8_0(raw, BKC: tl.constexpr):
+    """Weights [BN, BK] float32 d * q from `_ld_q8_0`'s raw step."""
+    q, dw0, dw1 = raw
+    h = (tl.arange(0, BKC) // 32)[None, :]
+    d0 = (dw0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d1 = ((dw1 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d = tl.where(h == 0, d0[:, None], d1[:, None])
+    return d * q.to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -220,7 +254,7 @@ def _tile_q6_k(wr, nm, k0, K, BKC: tl.constexpr):
     low 4 bits in ql[64n + 32(g%2) + l] (nibble g//2), high 2 bits in qh[32n + l] >> 2g, scale e // 16;
     w = d * scale * (q - 32). As int32 words when K % 512 == 0 (rows of 420-byte multiples), else bytes."""
     if K % 512 == 0:
-        w = _tile_q6_k_words(wr, nm, k0, BKC)
+        w = _tile_q6_k_words(wr, nm, k0, K, BKC)
     else:
         w = _tile_q6_k_bytes(wr, nm, k0, BKC)
     return w
@@ -246,7 +280,49 @@ def _q6x4(x, s):
 
 
 @triton.jit
-def _tile_q6_k_words(wr, nm, k0, BKC: tl.constexpr):
+def _ld_q6_k(wr, nm, k0, K):
+    """Raw words of the Q6_K step at k0 when K % 512 == 0 (see _tile_q6_k_words); a step at k0 >= K reads
+    nothing: ql words and their successors [BN, 2, 2, 4], qh words and successors [BN, 1, 2, 4], the scale
+    word and its successor [BN], the word holding d [BN]."""
+    b = k0 // 256
+    odd = b % 2
+    c = (k0 % 256) // 64
+    n = c // 2
+    m = nm & (k0 < K)
+    bw = (wr + b * 210 - 2 * odd).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] word boundary
+    h = tl.arange(0, 2)[None, :, None, None]
+    t2 = tl.arange(0, 2)[None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, :]
+    p = bw[:, None, None, None]
+    m4 = m[:, None, None, None]
+    iql = 16 * n + 8 * h + 4 * t2 + v  # [1, 2, 2, 4] ql words
+    iqh = 32 + 8 * n + 4 * t2 + v  # [1, 1, 2, 4] qh words (the same for both h)
+    return (_word(p + iql, m4), _word(p + iql + 1, m4), _word(p + iqh, m4), _word(p + iqh + 1, m4),
+            _word(bw + 48 + c, m), _word(bw + 49 + c, m), _word(bw + 52, m))
+
+
+@triton.jit
+def _dq_q6_k(raw, k0, BKC: tl.constexpr):
+    """Weights [BN, BK] float32 of the Q6_K step at k0 from `_ld_q6_k`'s words."""
+    l0, l1, h0, h1, s0, s1, dw = raw
+    BN: tl.constexpr = l0.shape[0]
+    odd = (k0 // 256) % 2
+    c = (k0 % 256) // 64
+    cc = c % 2
+    h = tl.arange(0, 2)[None, :, None, None]
+    t2 = tl.arange(0, 2)[None, None, :, None]
+    ql = _fsh(l0, l1, 16 * odd + 4 * cc)
+    qh = _fsh(h0, h1, 16 * odd + 4 * cc + 2 * h)  # [BN, 2, 2, 4]
+    q = (ql & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)  # 4 q (0..63) per word
+    sw = _fsh(s0, s1, 16 * odd)  # [BN] scales[4c:4c+4]
+    d = ((dw >> (16 * odd)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sc = ((sw[:, None, None, None] >> (8 * (2 * h + t2))) & 255).to(tl.uint8).to(tl.int8, bitcast=True)
+    sd = d[:, None, None, None] * sc.to(tl.float32)  # [BN, 2, 2, 1] as (d * scale) * (q - 32) below
+    return _q6x4(q, sd).reshape(BN, BKC)
+
+
+@triton.jit
+def _tile_q6_k_words(wr, nm, k0, K, BKC: tl.constexpr):
     """Q6_K when K % 512 == 0: every row starts 4-byte aligned, so block b starts 2 * (b % 2) bytes past the
     word boundary below it (b * 210 = 2b mod 4), and so does each of its fields (offsets 0, 64, 128, 192,
     208 are multiples of 4). Its words W[i] are read from that boundary and realigned by funnel shifts,
@@ -255,28 +331,7 @@ def _tile_q6_k_words(wr, nm, k0, BKC: tl.constexpr):
     j = 0..63 have ql bytes 64n + j (nibble cc), qh bytes 32n + j % 32 (bits 2(2cc + j // 32)), scales
     4c + j // 16. Tiles [BN, 2 (h = j // 32), 2 (t2 = j // 16 % 2), 4 (w = j // 4 % 4)] of words, so that
     each 16-weight group's scale is one value per (row, h, t2), and K order is the plain reshape."""
-    BN: tl.constexpr = wr.shape[0]
-    b = k0 // 256
-    odd = b % 2
-    c = (k0 % 256) // 64
-    n = c // 2
-    cc = c % 2
-    bw = (wr + b * 210 - 2 * odd).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] word boundary
-    h = tl.arange(0, 2)[None, :, None, None]
-    t2 = tl.arange(0, 2)[None, None, :, None]
-    v = tl.arange(0, 4)[None, None, None, :]
-    p = bw[:, None, None, None]
-    m4 = nm[:, None, None, None]
-    iql = 16 * n + 8 * h + 4 * t2 + v  # [1, 2, 2, 4] ql words
-    ql = _fsh(_word(p + iql, m4), _word(p + iql + 1, m4), 16 * odd + 4 * cc)
-    iqh = 32 + 8 * n + 4 * t2 + v  # [1, 1, 2, 4] qh words (the same for both h)
-    qh = _fsh(_word(p + iqh, m4), _word(p + iqh + 1, m4), 16 * odd + 4 * cc + 2 * h)  # [BN, 2, 2, 4]
-    q = (ql & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)  # 4 q (0..63) per word
-    sw = _fsh(_word(bw + 48 + c, nm), _word(bw + 49 + c, nm), 16 * odd)  # [BN] scales[4c:4c+4]
-    d = ((_word(bw + 52, nm) >> (16 * odd)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    sc = ((sw[:, None, None, None] >> (8 * (2 * h + t2))) & 255).to(tl.uint8).to(tl.int8, bitcast=True)
-    s = d[:, None, None, None] * sc.to(tl.float32)  # [BN, 2, 2, 1] as (d * scale) * (q - 32) below
-    return _q6x4(q, s).reshape(BN, BKC)
+    return _dq_q6_k(_ld_q6_k(wr, nm, k0, K), k0, BKC)
 
 
 @triton.jit
@@ -325,6 +380,26 @@ def deq_tile(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
     return w
 
 
+@triton.jit
+def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
+    """The raw loads of a step (a tuple of int tensors) for the types the kernel prefetches."""
+    if QTYPE == 8:
+        raw = _ld_q8_0(wr, nm, k0, K, BKC)
+    else:
+        raw = _ld_q6_k(wr, nm, k0, K)
+    return raw
+
+
+@triton.jit
+def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr):
+    """Weights [BN, BK] float32 of the step at k0 from `ld_raw`'s tuple."""
+    if QTYPE == 8:
+        w = _dq_q8_0(raw, BKC)
+    else:
+        w = _dq_q6_k(raw, k0, BKC)
+    return w
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 
 
@@ -357,13 +432,17 @@ def _qgemm_kernel(
     n_a, M, stride_a, stride_out, stride_we, stride_wm, stride_w2e, stride_w2m, topk,
     K: tl.constexpr, QTYPE: tl.constexpr, QTYPE2: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
     SCATTER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EXACT: tl.constexpr, EMULATE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BKC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKC: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """Grid (cdiv(P, BM), cdiv(M, BN)); P = rows of the (padded) product.
 
     GROUPED: block b uses expert bexp[b] (-1: nothing to do) and rows[p] (assignment, -1 = padding);
     GATHER: A row of p = rows[p] // topk (else p); SCATTER: output row = rows[p], scaled by
     scale[rows[p]] (else p); GATED: out = act(A W^T) * (A W2^T). Not GROUPED: rows p < n_a, expert 0.
+    PREFETCH (Q8_0 with K % 64 == 0, Q6_K with K % 512 == 0, QTYPE2 == QTYPE): the raw weights of step
+    k0 + BK are loaded before step k0's decode and product (a register double buffer: Q8_0's byte loads
+    are too narrow for Triton's asynchronous-copy pipelining, Q6_K's unaligned words too small for
+    16-byte copies).
     """
     pid_m = tl.program_id(0)
     p = pid_m * BM + tl.arange(0, BM)  # [BM]
@@ -389,13 +468,29 @@ def _qgemm_kernel(
             wr2 = w2_ptr + e.to(tl.int64) * stride_w2e + n.to(tl.int64) * stride_w2m
             acc2 = tl.zeros([BM, BN], dtype=tl.float32)
         kk = tl.arange(0, BKC)
-        for k0 in range(0, K, BKC):
-            k = k0 + kk
-            a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
-                        other=0.0)  # [BM, BK]
-            acc = _mma(acc, a, deq_tile(wr, nm, k0, K, QTYPE, BKC), EXACT, EMULATE)
+        if PREFETCH:
+            raw = ld_raw(wr, nm, 0, K, QTYPE, BKC)
             if GATED:
-                acc2 = _mma(acc2, a, deq_tile(wr2, nm, k0, K, QTYPE2, BKC), EXACT, EMULATE)
+                raw2 = ld_raw(wr2, nm, 0, K, QTYPE2, BKC)
+            for k0 in range(0, K, BKC):
+                k = k0 + kk
+                a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :],
+                            mask=valid[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+                nxt = ld_raw(wr, nm, k0 + BKC, K, QTYPE, BKC)
+                acc = _mma(acc, a, dq_raw(raw, k0, QTYPE, BKC), EXACT, EMULATE)
+                raw = nxt
+                if GATED:
+                    nxt2 = ld_raw(wr2, nm, k0 + BKC, K, QTYPE2, BKC)
+                    acc2 = _mma(acc2, a, dq_raw(raw2, k0, QTYPE2, BKC), EXACT, EMULATE)
+                    raw2 = nxt2
+        else:
+            for k0 in range(0, K, BKC):
+                k = k0 + kk
+                a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :],
+                            mask=valid[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+                acc = _mma(acc, a, deq_tile(wr, nm, k0, K, QTYPE, BKC), EXACT, EMULATE)
+                if GATED:
+                    acc2 = _mma(acc2, a, deq_tile(wr2, nm, k0, K, QTYPE2, BKC), EXACT, EMULATE)
         if GATED:
             acc = _act(acc, ACT) * acc2
         if SCATTER:
@@ -440,7 +535,7 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     _qgemm_kernel[grid](
         a, wt, wt, out, a, a, a, T, M, a.stride(0), out.stride(0), 0, wt.stride(0), 0, wt.stride(0), 1,
         K=K, QTYPE=qtype, QTYPE2=qtype, GROUPED=False, GATHER=False, SCATTER=False, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET,
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, qtype),
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -466,7 +561,8 @@ def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype
         a, wg, wu, out, routing.rows, routing.block_expert, a, a.shape[0], F, a.stride(0), out.stride(0),
         wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), routing.topk,
         K=K, QTYPE=qtype_gate, QTYPE2=qtype_up, GROUPED=True, GATHER=True, SCATTER=False, GATED=True,
-        ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, BM=tile.block_m, BN=tile.block_n, BKC=BK,
+        ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, qtype_gate, qtype_up),
+        BM=tile.block_m, BN=tile.block_n, BKC=BK,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -489,7 +585,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, qtype: int, routing: Routing
         h, wd, wd, out, routing.rows, routing.block_expert, route_w, P, N, h.stride(0), out.stride(0),
         wd.stride(0), wd.stride(1), 0, 0, routing.topk,
         K=F, QTYPE=qtype, QTYPE2=qtype, GROUPED=True, GATHER=False, SCATTER=True, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET,
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, qtype),
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
