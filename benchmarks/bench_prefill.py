@@ -26,7 +26,8 @@ from moerun.kernels.triton.qgemm import GemmTile
 VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPrefill options)
     "default": {},
     "eager": {"graph_max": 0},
-    "no prefetch": {"prefetch": False},
+    "no prefetch": {"prefetch": set()},
+    "prefetch +Q4_K": {"prefetch": {8, 12, 14}},
     "all 64x64 w4 s3": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
     "moe 64x64 w4 s2": {"tiles": {"gate_up": GemmTile(64, 64, 4, 2), "down": GemmTile(64, 64, 4, 2)}},
     "moe 64x128 w4 s3": {"tiles": {"gate_up": GemmTile(64, 128, 4, 3), "down": GemmTile(64, 128, 4, 3)}},
@@ -64,6 +65,7 @@ def main() -> None:
     counts = [int(c) for c in args.tokens.split(",")]
     eng = Engine(args.model, fast=False, prefill="fast", n_ctx=max(counts) + 16)
     base_tiles = dict(fp.TILES)
+    base_prefetch = set(qg.PREFETCH_TYPES)
     rows = []
     for name in args.variants.split(","):
         v = VARIANTS[name]
@@ -90,7 +92,7 @@ def main() -> None:
     p = eng.prefiller
     p.exact, p.act_dtype, p.experts = False, torch.bfloat16, "fused"
     p.graph_max = 0  # the profile shows the kernels of an eager forward
-    qg.PREFETCH_TYPES = {8, 14}
+    qg.PREFETCH_TYPES = base_prefetch
     if args.profile:
         toks = list(range(1, 513))
         eng.reset()

@@ -6,7 +6,7 @@
 Per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
 64 experts, top-8, F = 1024) and the grouped down; median of 20 CUDA-event timings, as TFLOP/s and as
 G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
---prefetch on,off times each tile with and without the kernel's one-step-ahead raw loads (Q8_0, Q6_K).
+--prefetch on,off times each tile with and without the kernel's one-step-ahead raw loads (Q8_0, Q4_K, Q6_K).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,F16")
     ap.add_argument("--tiles", default="64x64x4x2,64x128x4x3,128x128x8x3,64x64x4x4,128x64x4x3")
-    ap.add_argument("--prefetch", default="on", help="on, off or on,off (raw-load prefetch of Q8_0/Q6_K)")
+    ap.add_argument("--prefetch", default="on", help="on, off or on,off (raw-load prefetch of Q8_0/Q4_K/Q6_K)")
     args = ap.parse_args()
     gen = np.random.default_rng(0)
     dev = torch.device("cuda")
@@ -74,7 +74,7 @@ def main() -> None:
         w_u = weights(qt, (E, F), N, gen)
         w_d = weights(qt, (E, N), F, gen)
         for spec, pf in [(t, p) for t in args.tiles.split(",") for p in args.prefetch.split(",")]:
-            qg.PREFETCH_TYPES = {8, 14} if pf == "on" else set()
+            qg.PREFETCH_TYPES = {8, 12, 14} if pf == "on" else set()
             bm, bn, nw, ns = (int(v) for v in spec.split("x")[:4])
             spec = f"{spec} pf {pf}"
             tile = qg.GemmTile(bm, bn, nw, ns)

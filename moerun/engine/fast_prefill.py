@@ -270,6 +270,12 @@ class FastPrefill:
         self._seen.add(padded)
         return self._graphs.get(padded)
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and its memory pool (e.g. after changing kernel options)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._pool = None
+
     def padded_forward(self, tokens: torch.Tensor, padded: int) -> torch.Tensor:
         """What a graph replays, run eagerly: tokens [T] padded with token 0 to `padded` rows at position
         0 -> logits [1, V] of the last real token (tests check it equals the unpadded forward)."""

@@ -76,12 +76,12 @@ def test_qgemm(qtype, exact, device, rng) -> None:
            f"{qtype.name} seed {seed}")
 
 
-@pytest.mark.parametrize("qtype,k", [(T.Q8_0, 288), (T.Q8_0, 320), (T.Q6_K, 512), (T.Q6_K, 768)],
-                         ids=["Q8_0-K288", "Q8_0-K320", "Q6_K-K512", "Q6_K-K768"])
+@pytest.mark.parametrize("qtype,k", [(T.Q8_0, 288), (T.Q8_0, 320), (T.Q6_K, 512), (T.Q6_K, 768), (T.Q4_K, 512)],
+                         ids=["Q8_0-K288", "Q8_0-K320", "Q6_K-K512", "Q6_K-K768", "Q4_K-K512"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "plain"])
 def test_prefetch_paths(qtype, k, prefetch, device, rng, monkeypatch) -> None:
-    """Q8_0 / Q6_K with the raw weights loaded one step ahead (where K allows) and without."""
-    monkeypatch.setattr(qgemm_mod, "PREFETCH_TYPES", {8, 14} if prefetch else set())
+    """Q8_0 / Q6_K / Q4_K with the raw weights loaded one step ahead (where K allows) and without."""
+    monkeypatch.setattr(qgemm_mod, "PREFETCH_TYPES", {8, 12, 14} if prefetch else set())
     gen, seed = rng
     t, m = 19, 45
     raw, w = _weights(qtype, (m,), k, gen, device)

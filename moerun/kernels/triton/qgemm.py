@@ -36,7 +36,8 @@ from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU interpreter: emulate bf16 (see _mma)
 BK = 64  # weights of K per step: one Q4_K/Q5_K/Q6_K 64-weight chunk, two 32-blocks, 64 floats
 PREFETCH_TYPES = {8, 14}  # types whose weight bytes the kernel loads one step ahead (see _qgemm_kernel)
-_PREFETCH_K = {8: 64, 14: 512}  # ... when K is a multiple of this (word-aligned rows)
+_PREFETCH_K = {8: 64, 12: 256, 14: 512}  # ... when K is a multiple of this (word-aligned rows); Q4_K
+# may (its 16-byte word loads pipeline as asynchronous copies already): benchmarks/NOTES.md 6f
 
 
 def _prefetch(k: int, *qtypes: int) -> bool:
@@ -209,20 +210,23 @@ def _nib4(x, sh: tl.constexpr, scale, off):
 
 
 @triton.jit
-def _tile_q4_k(wr, nm, k0, K, BKC: tl.constexpr):
-    """Q4_K, 144-byte blocks: d, dmin, scales[12], qs[128]; chunk c = qs[32c:32c+32], low nibbles are
-    sub-block 2c, high nibbles 2c+1. Read as int32 words (blocks are 16-byte multiples): header words
-    w0 = d | dmin << 16, w1..w3 = scales, and the chunk's 8 qs words, even and odd apart so that each
-    thread holds pairs of consecutive words (8 consecutive weights) after the in-thread joins."""
+def _ld_q4_k(wr, nm, k0, K, BKC: tl.constexpr):
+    """Raw int32 words of the Q4_K step at k0 (see _tile_q4_k); a step at k0 >= K reads nothing: the header
+    words w0 = d | dmin << 16, w1..w3 = scales [BN] and the chunk's 8 qs words [BN, 8]."""
     c = (k0 % 256) // 64
+    m = nm & (k0 < K)
     bw = (wr + (k0 // 256) * 144).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] block words
-    w0 = _word(bw, nm)
-    w1 = _word(bw + 1, nm)
-    w2 = _word(bw + 2, nm)
-    w3 = _word(bw + 3, nm)
-    BN: tl.constexpr = wr.shape[0]
     i = tl.arange(0, BKC // 8)[None, :]
-    qw = _word(bw[:, None] + 4 + 8 * c + i, nm[:, None] & (i >= 0))  # [BN, 8] the chunk's qs words
+    qw = _word(bw[:, None] + 4 + 8 * c + i, m[:, None] & (i >= 0))  # [BN, 8] the chunk's qs words
+    return _word(bw, m), _word(bw + 1, m), _word(bw + 2, m), _word(bw + 3, m), qw
+
+
+@triton.jit
+def _dq_q4_k(raw, k0, BKC: tl.constexpr):
+    """Weights [BN, BK] float32 of the Q4_K step at k0 from `_ld_q4_k`'s words."""
+    w0, w1, w2, w3, qw = raw
+    BN: tl.constexpr = qw.shape[0]
+    c = (k0 % 256) // 64
     qe, qo = tl.split(qw.reshape(BN, BKC // 16, 2))  # even, odd words [BN, 4]
     d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -234,6 +238,15 @@ def _tile_q4_k(wr, nm, k0, K, BKC: tl.constexpr):
     hi = tl.join(_nib4(qe, 4, s1, o1), _nib4(qo, 4, s1, o1))
     w = tl.join(lo, hi)  # [BN, 4 (word pair), 4 (byte), 2 (odd word), 2 (h)]: K = 32h + 8p + 4o + b
     return tl.permute(w, (0, 4, 1, 3, 2)).reshape(BN, BKC)
+
+
+@triton.jit
+def _tile_q4_k(wr, nm, k0, K, BKC: tl.constexpr):
+    """Q4_K, 144-byte blocks: d, dmin, scales[12], qs[128]; chunk c = qs[32c:32c+32], low nibbles are
+    sub-block 2c, high nibbles 2c+1. Read as int32 words (blocks are 16-byte multiples): header words
+    w0 = d | dmin << 16, w1..w3 = scales, and the chunk's 8 qs words, even and odd apart so that each
+    thread holds pairs of consecutive words (8 consecutive weights) after the in-thread joins."""
+    return _dq_q4_k(_ld_q4_k(wr, nm, k0, K, BKC), k0, BKC)
 
 
 @triton.jit
@@ -385,6 +398,8 @@ def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
     """The raw loads of a step (a tuple of int tensors) for the types the kernel prefetches."""
     if QTYPE == 8:
         raw = _ld_q8_0(wr, nm, k0, K, BKC)
+    elif QTYPE == 12:
+        raw = _ld_q4_k(wr, nm, k0, K, BKC)
     else:
         raw = _ld_q6_k(wr, nm, k0, K)
     return raw
@@ -395,6 +410,8 @@ def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr):
     """Weights [BN, BK] float32 of the step at k0 from `ld_raw`'s tuple."""
     if QTYPE == 8:
         w = _dq_q8_0(raw, BKC)
+    elif QTYPE == 12:
+        w = _dq_q4_k(raw, k0, BKC)
     else:
         w = _dq_q6_k(raw, k0, BKC)
     return w
