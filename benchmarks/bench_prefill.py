@@ -20,14 +20,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from moerun.engine import fast_prefill as fp
 from moerun.engine.engine import Engine
-from moerun.kernels.triton import qgemm as qg
 from moerun.kernels.triton.qgemm import GemmTile
 
 VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPrefill options)
     "default": {},
     "eager": {"graph_max": 0},
-    "no prefetch": {"prefetch": set()},
-    "prefetch +Q4_K": {"prefetch": {8, 12, 14}},
+    "no prefetch": {"tiles": {k: t._replace(prefetch=frozenset()) for k, t in fp.TILES.items()}},
+    "prefetch all": {"tiles": {k: t._replace(prefetch=frozenset({8, 12, 14})) for k, t in fp.TILES.items()}},
     "all 64x64 w4 s3": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
     "moe 64x64 w4 s2": {"tiles": {"gate_up": GemmTile(64, 64, 4, 2), "down": GemmTile(64, 64, 4, 2)}},
     "moe 64x128 w4 s3": {"tiles": {"gate_up": GemmTile(64, 128, 4, 3), "down": GemmTile(64, 128, 4, 3)}},
@@ -65,7 +64,6 @@ def main() -> None:
     counts = [int(c) for c in args.tokens.split(",")]
     eng = Engine(args.model, fast=False, prefill="fast", n_ctx=max(counts) + 16)
     base_tiles = dict(fp.TILES)
-    base_prefetch = set(qg.PREFETCH_TYPES)
     rows = []
     for name in args.variants.split(","):
         v = VARIANTS[name]
@@ -77,7 +75,6 @@ def main() -> None:
         p.act_dtype = torch.float32 if p.exact else torch.bfloat16
         p.experts = v.get("experts", "fused")
         p.graph_max = v.get("graph_max", fp.DEFAULT_GRAPH_MAX)
-        qg.PREFETCH_TYPES = {8, 14} if v.get("prefetch", True) else set()
         p._graphs.clear()  # graphs captured under another variant's tiles
         p._seen.clear()
         try:
@@ -92,7 +89,6 @@ def main() -> None:
     p = eng.prefiller
     p.exact, p.act_dtype, p.experts = False, torch.bfloat16, "fused"
     p.graph_max = 0  # the profile shows the kernels of an eager forward
-    qg.PREFETCH_TYPES = base_prefetch
     if args.profile:
         toks = list(range(1, 513))
         eng.reset()

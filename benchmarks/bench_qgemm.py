@@ -74,10 +74,9 @@ def main() -> None:
         w_u = weights(qt, (E, F), N, gen)
         w_d = weights(qt, (E, N), F, gen)
         for spec, pf in [(t, p) for t in args.tiles.split(",") for p in args.prefetch.split(",")]:
-            qg.PREFETCH_TYPES = {8, 12, 14} if pf == "on" else set()
             bm, bn, nw, ns = (int(v) for v in spec.split("x")[:4])
             spec = f"{spec} pf {pf}"
-            tile = qg.GemmTile(bm, bn, nw, ns)
+            tile = qg.GemmTile(bm, bn, nw, ns, frozenset({8, 12, 14}) if pf == "on" else frozenset())
             try:
                 out = torch.empty(T, N, device=dev)
                 ms = timed(lambda: qg.qgemm(x, w_dense, qt, out, tile=tile))

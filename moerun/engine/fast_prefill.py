@@ -48,12 +48,13 @@ GRAPH_STEP = 128  # prompt lengths are padded to a multiple of this for graph re
 DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer ones amortise their launches)
 
 # Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs), from
-# benchmarks/bench_qgemm.py and bench_prefill.py on the H200 (benchmarks/NOTES.md section 6). Float
-# expert weights (F16/BF16/F32: no decode, bandwidth-bound) prefer narrower token blocks.
+# benchmarks/bench_qgemm.py and bench_prefill.py on the H200 (benchmarks/NOTES.md section 6), with the
+# types whose raw weights each loads one step ahead (8 = Q8_0, 12 = Q4_K, 14 = Q6_K; 6f). Float expert
+# weights (F16/BF16/F32: no decode, bandwidth-bound) prefer narrower token blocks.
 TILES: dict[str, qg.GemmTile] = {
-    "dense": qg.GemmTile(64, 32, 4, 3),
-    "gate_up": qg.GemmTile(128, 128, 8, 3),
-    "down": qg.GemmTile(128, 128, 8, 3),
+    "dense": qg.GemmTile(64, 32, 4, 3, frozenset({12, 14})),
+    "gate_up": qg.GemmTile(128, 128, 8, 3, frozenset({8, 12, 14})),
+    "down": qg.GemmTile(128, 128, 8, 3, frozenset({8, 14})),
 }
 FLOAT_EXPERT_TILE = qg.GemmTile(64, 128, 4, 3)
 FLOAT_TYPES = frozenset({0, 1, 30})
@@ -90,6 +91,7 @@ class FastPrefill:
         self._graphs: dict[int, _ChunkGraph] = {}  # padded length -> captured first-chunk forward
         self._seen: set[int] = set()  # padded lengths run once (captured the next time)
         self._pool: Any = None  # memory pool the graphs share
+        self._retired: list[_ChunkGraph] = []  # see drop_graphs
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
         dev, factors = cache.k[0].device, weights.globals.get("rope_freqs")
         self._rope = {False: rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors, dev)}
@@ -271,10 +273,10 @@ class FastPrefill:
         return self._graphs.get(padded)
 
     def drop_graphs(self) -> None:
-        """Forget every captured graph and its memory pool (e.g. after changing kernel options)."""
-        self._graphs.clear()
-        self._seen.clear()
-        self._pool = None
+        """Capture afresh from now on (e.g. after changing kernel options). The old graphs are kept alive,
+        not freed: freeing graphs that share a memory pool tripped an allocator assertion in torch 2.11."""
+        self._retired.extend(self._graphs.values())
+        self._graphs, self._seen, self._pool = {}, set(), None
 
     def padded_forward(self, tokens: torch.Tensor, padded: int) -> torch.Tensor:
         """What a graph replays, run eagerly: tokens [T] padded with token 0 to `padded` rows at position

@@ -19,7 +19,6 @@ import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
-from moerun.kernels.triton import qgemm as qgemm_mod  # noqa: E402
 from moerun.kernels.triton.moe_align import moe_align_torch  # noqa: E402
 from moerun.kernels.triton.qgemm import GemmTile, moe_align, moe_down, moe_gate_up, padded_rows, qgemm  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY  # noqa: E402
@@ -79,15 +78,15 @@ def test_qgemm(qtype, exact, device, rng) -> None:
 @pytest.mark.parametrize("qtype,k", [(T.Q8_0, 288), (T.Q8_0, 320), (T.Q6_K, 512), (T.Q6_K, 768), (T.Q4_K, 512)],
                          ids=["Q8_0-K288", "Q8_0-K320", "Q6_K-K512", "Q6_K-K768", "Q4_K-K512"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "plain"])
-def test_prefetch_paths(qtype, k, prefetch, device, rng, monkeypatch) -> None:
+def test_prefetch_paths(qtype, k, prefetch, device, rng) -> None:
     """Q8_0 / Q6_K / Q4_K with the raw weights loaded one step ahead (where K allows) and without."""
-    monkeypatch.setattr(qgemm_mod, "PREFETCH_TYPES", {8, 12, 14} if prefetch else set())
+    tile = TILE._replace(prefetch=frozenset({8, 12, 14}) if prefetch else frozenset())
     gen, seed = rng
     t, m = 19, 45
     raw, w = _weights(qtype, (m,), k, gen, device)
     a = _mat(gen, t, k)
     out = torch.full((t, m), float("nan"), device=device)
-    qgemm(a.to(device), raw, int(qtype), out, exact=True, tile=TILE)
+    qgemm(a.to(device), raw, int(qtype), out, exact=True, tile=tile)
     _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL, f"{qtype.name} K={k} seed {seed}")
 
 

@@ -35,23 +35,26 @@ from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU interpreter: emulate bf16 (see _mma)
 BK = 64  # weights of K per step: one Q4_K/Q5_K/Q6_K 64-weight chunk, two 32-blocks, 64 floats
-PREFETCH_TYPES = {8, 14}  # types whose weight bytes the kernel loads one step ahead (see _qgemm_kernel)
-_PREFETCH_K = {8: 64, 12: 256, 14: 512}  # ... when K is a multiple of this (word-aligned rows); Q4_K
-# may (its 16-byte word loads pipeline as asynchronous copies already): benchmarks/NOTES.md 6f
+_PREFETCH_K = {8: 64, 12: 256, 14: 512}  # types the kernel can load one step ahead, when K is a multiple
+# of this (word-aligned rows)
 
 
-def _prefetch(k: int, *qtypes: int) -> bool:
-    """Whether the kernel loads the raw weights of these types one step ahead (one type for both streams)."""
-    return len(set(qtypes)) == 1 and qtypes[0] in PREFETCH_TYPES and k % _PREFETCH_K[qtypes[0]] == 0
+def _prefetch(k: int, tile: GemmTile, *qtypes: int) -> bool:
+    """Whether the kernel loads the raw weights one step ahead (one type for both streams, in tile.prefetch)."""
+    q = qtypes[0]
+    return len(set(qtypes)) == 1 and q in tile.prefetch and q in _PREFETCH_K and k % _PREFETCH_K[q] == 0
 
 
 class GemmTile(NamedTuple):
-    """Launch shape: rows of A (tokens) and of W (outputs) per program, warps, pipelining stages."""
+    """Launch shape: rows of A (tokens) and of W (outputs) per program, warps, pipelining stages, and the
+    GGML types whose raw weights are loaded one step ahead (Q8_0 = 8, Q4_K = 12, Q6_K = 14; see
+    _qgemm_kernel's PREFETCH; which pays depends on the type and the product, benchmarks/NOTES.md 6f)."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    prefetch: frozenset[int] = frozenset({8, 14})
 
 
 DEFAULT_TILE = GemmTile()
@@ -552,7 +555,7 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     _qgemm_kernel[grid](
         a, wt, wt, out, a, a, a, T, M, a.stride(0), out.stride(0), 0, wt.stride(0), 0, wt.stride(0), 1,
         K=K, QTYPE=qtype, QTYPE2=qtype, GROUPED=False, GATHER=False, SCATTER=False, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, qtype),
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype),
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -578,7 +581,7 @@ def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype
         a, wg, wu, out, routing.rows, routing.block_expert, a, a.shape[0], F, a.stride(0), out.stride(0),
         wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), routing.topk,
         K=K, QTYPE=qtype_gate, QTYPE2=qtype_up, GROUPED=True, GATHER=True, SCATTER=False, GATED=True,
-        ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, qtype_gate, qtype_up),
+        ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype_gate, qtype_up),
         BM=tile.block_m, BN=tile.block_n, BKC=BK,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -602,7 +605,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, qtype: int, routing: Routing
         h, wd, wd, out, routing.rows, routing.block_expert, route_w, P, N, h.stride(0), out.stride(0),
         wd.stride(0), wd.stride(1), 0, 0, routing.topk,
         K=F, QTYPE=qtype, QTYPE2=qtype, GROUPED=True, GATHER=False, SCATTER=True, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, qtype),
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, tile, qtype),
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
