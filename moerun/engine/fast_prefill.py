@@ -17,8 +17,8 @@ conversation; what `moerun bench`'s ppN times) whose logits are wanted only for 
 therefore replayed as a CUDA graph: its length is padded up to a multiple of GRAPH_STEP (padding tokens
 come after the real ones, so causal attention keeps them out of every real token's result; their cache
 rows lie past the filled positions and are overwritten by the next tokens), one graph per padded length
-up to `graph_max` tokens, captured the second time a length is seen (the first time runs eagerly), all
-sharing one memory pool. Later chunks (positions > 0) run eagerly.
+up to `graph_max` tokens (at most graph_max / GRAPH_STEP graphs, each holding its intermediate buffers),
+captured the second time a length is seen (the first time runs eagerly). Later chunks (positions > 0) run eagerly.
 
 Numerics: `exact` multiplies in float32 (tensor cores in "ieee" mode: the reference's precision);
 otherwise matrix inputs are rounded to bf16 with float32 accumulation, as the reference's bf16 mode.
@@ -52,7 +52,7 @@ DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer one
 # types whose raw weights each loads one step ahead (8 = Q8_0, 12 = Q4_K, 14 = Q6_K; 6f). Float expert
 # weights (F16/BF16/F32: no decode, bandwidth-bound) prefer narrower token blocks.
 TILES: dict[str, qg.GemmTile] = {
-    "dense": qg.GemmTile(64, 32, 4, 3, frozenset({12, 14})),
+    "dense": qg.GemmTile(64, 32, 4, 3, frozenset({8, 12, 14})),
     "gate_up": qg.GemmTile(128, 128, 8, 3, frozenset({8, 12, 14})),
     "down": qg.GemmTile(128, 128, 8, 3, frozenset({8, 14})),
 }
@@ -90,8 +90,6 @@ class FastPrefill:
         self.graph_max = graph_max if cache.k[0].device.type == "cuda" else 0
         self._graphs: dict[int, _ChunkGraph] = {}  # padded length -> captured first-chunk forward
         self._seen: set[int] = set()  # padded lengths run once (captured the next time)
-        self._pool: Any = None  # memory pool the graphs share
-        self._retired: list[_ChunkGraph] = []  # see drop_graphs
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
         dev, factors = cache.k[0].device, weights.globals.get("rope_freqs")
         self._rope = {False: rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors, dev)}
@@ -266,17 +264,13 @@ class FastPrefill:
         if padded > min(self.graph_max, self.cache.n_ctx):
             return None
         if padded not in self._graphs and padded in self._seen:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            self._graphs[padded] = _ChunkGraph(self, padded, self._pool)
+            self._graphs[padded] = _ChunkGraph(self, padded)
         self._seen.add(padded)
         return self._graphs.get(padded)
 
     def drop_graphs(self) -> None:
-        """Capture afresh from now on (e.g. after changing kernel options). The old graphs are kept alive,
-        not freed: freeing graphs that share a memory pool tripped an allocator assertion in torch 2.11."""
-        self._retired.extend(self._graphs.values())
-        self._graphs, self._seen, self._pool = {}, set(), None
+        """Forget every captured graph (e.g. after changing kernel options): capture afresh from now on."""
+        self._graphs, self._seen = {}, set()
 
     def padded_forward(self, tokens: torch.Tensor, padded: int) -> torch.Tensor:
         """What a graph replays, run eagerly: tokens [T] padded with token 0 to `padded` rows at position
@@ -290,7 +284,7 @@ class FastPrefill:
 class _ChunkGraph:
     """One captured first-chunk forward at a padded length: static token and last-row inputs, logits out."""
 
-    def __init__(self, owner: FastPrefill, padded: int, pool: Any) -> None:
+    def __init__(self, owner: FastPrefill, padded: int) -> None:
         """Warm up and capture (the warm-up fills cache rows 0..padded-1 with padding: the first replay,
         which follows at once, overwrites them)."""
         dev = owner.cache.k[0].device
@@ -302,7 +296,7 @@ class _ChunkGraph:
         with torch.cuda.stream(s):  # warm-up at this shape (Triton kernels compiled and loaded)
             owner._chunk(self.tokens, 0, True, self.last)
         torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):  # its own memory pool (sharing one failed: NOTES.md 6e)
             self.logits = owner._chunk(self.tokens, 0, True, self.last)  # [1, V]
 
     def run(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from support.device import TEST_DEVICE  # noqa: E402
 from support.hf_to_gguf import write_gguf  # noqa: E402
 from support.tiny_models import TINY  # noqa: E402
 
+from moerun.engine import fast_prefill  # noqa: E402
 from moerun.engine.engine import Engine  # noqa: E402
 from moerun.errors import MoerunError  # noqa: E402
 
@@ -119,13 +120,15 @@ def test_padded_first_chunk(case) -> None:
 
 
 @pytest.mark.skipif(not str(TEST_DEVICE).startswith("cuda"), reason="CUDA graphs need a CUDA device")
-def test_prefill_graph_replay(case) -> None:
+def test_prefill_graph_replay(case, monkeypatch) -> None:
     """A repeated first-chunk length replays a captured graph: same logits as eager prefill (a different
-    prompt of the same padded length each time), and the cache it leaves continues as eager's does."""
+    prompt of the same padded length each time), and the cache it leaves continues as eager's does; two
+    padded lengths, two graphs."""
+    monkeypatch.setattr(fast_prefill, "GRAPH_STEP", 8)
     path, tokens, _, _ = case
     eager = Engine(path, fast=True, prefill="fast", graph=False, **KW)
     graphed = Engine(path, fast=True, prefill="fast", **KW)
-    for n in (N_TOKENS, N_TOKENS - 5, N_TOKENS - 1):  # one padded length: eager, capture, replay
+    for n in (N_TOKENS, N_TOKENS - 5, 9, N_TOKENS - 1, 12, 10):  # padded 24 and 16: eager, capture, replay
         prompt = tokens[:n]
         want = eager.generate_greedy(prompt, 6)
         want_logits = eager.forward(prompt, pos=0, last_only=True)
@@ -133,7 +136,7 @@ def test_prefill_graph_replay(case) -> None:
         got_logits = graphed.forward(prompt, pos=0, last_only=True)
         assert rel_err(got_logits, want_logits) < 1e-4
         assert got == want
-    assert len(graphed.prefiller._graphs) == 1
+    assert sorted(graphed.prefiller._graphs) == [16, 24]
     assert not eager.prefiller._graphs
 
 
