@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens (default 0)")
     p.add_argument("--decode", choices=list(DECODE_PATHS), default="auto",
                    help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
-                        "(eager), plain torch (reference); default auto = fast on CUDA, reference on CPU")
+                        "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
+                        "on CUDA, reference on CPU")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")
