@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Callable
 
 import torch
+from _timing import capture_graph, event_ms
 
 from moerun.kernels import reference as ref
 from moerun.kernels.triton import decode_ops as ops
@@ -27,27 +28,8 @@ H, HKV, D, N_CTX, LAYERS = 16, 16, 128, 4096, 16
 
 def graph_us(fns: list[Callable[[], object]], iters: int = 30) -> float:
     """Median microseconds per launch of `fns` (called in order, captured in one CUDA graph)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns[:3]:  # compile + warm up outside the graph
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(fns))
+    g = capture_graph(fns, warmup=fns[:3])
+    times = [event_ms(g.replay) * 1e3 / len(fns) for _ in range(iters)]
     return statistics.median(times)
 
 

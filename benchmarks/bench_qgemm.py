@@ -16,6 +16,7 @@ import statistics
 
 import numpy as np
 import torch
+from _timing import event_ms
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels.triton import qgemm as qg
@@ -29,14 +30,7 @@ def timed(fn, reps: int = 20) -> float:
     """Median milliseconds of fn() over reps (after 3 warm-ups)."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    times = [event_ms(fn) for _ in range(reps)]
     return statistics.median(times)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import triton
+from _timing import capture_graph, event_ms
 from gguf import GGMLQuantizationType as T
 
 from moerun.kernels.triton import qmatvec as Q
@@ -46,28 +47,8 @@ def fill(qtype: int, lead: tuple[int, ...], k: int, device: torch.device) -> tor
 
 def graph_time(fns: list[Callable[[], object]], iters: int = 20) -> float:
     """Seconds per call of the fns, replayed back to back in one CUDA graph (median of 5 timings)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm-up (compiles) outside capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / (iters * len(fns)))
+    g = capture_graph(fns, warmup=fns)
+    times = [event_ms(g.replay, calls=iters) / 1e3 / (iters * len(fns)) for _ in range(5)]
     return float(np.median(times))
 
 

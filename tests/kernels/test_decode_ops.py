@@ -14,34 +14,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from support.kernel_checks import DEV, RTOL, close, nan, randn  # noqa: E402
 
 from moerun.kernels import reference as ref  # noqa: E402
 from moerun.kernels.triton import decode_ops as ops  # noqa: E402
-
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RTOL = 1e-5
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = int.from_bytes(os.urandom(8), "little") % (1 << 63)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
-
-
-def randn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(DEV)
-
-
-def nan(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.full(shape, float("nan"), device=DEV, dtype=dtype)
-
-
-def close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
-    """Relative error against the reference's scale (elementwise rtol plus a tiny absolute floor)."""
-    atol = rtol * float(want.abs().max()) * 1e-1 + 1e-30
-    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 

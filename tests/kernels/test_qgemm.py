@@ -32,17 +32,6 @@ EXACT_TOL = 1e-5  # relative to sum |a||w|: float32 products
 BF16_TOL = 1.6e-2  # bf16 inputs: 2 roundings of 2^-9 each, float32 accumulation
 
 
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture
-def rng() -> tuple[np.random.Generator, int]:
-    seed = int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng(seed), seed
-
-
 def _weights(qtype: int, lead: tuple[int, ...], k: int, gen: np.random.Generator, device: torch.device):
     bs, ts, _ = GEOMETRY[qtype]
     n = int(np.prod(lead))

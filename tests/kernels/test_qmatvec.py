@@ -29,17 +29,6 @@ TOL = 1e-5  # relative to sum |w| |x|: float32 accumulation
 SB = 256  # K is a whole number of 256-weight super-blocks (valid for every type)
 
 
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture
-def rng() -> tuple[np.random.Generator, int]:
-    seed = int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng(seed), seed
-
-
 def _small_tile(qtype: int) -> Tile:
     """Few rows, a K-step of 512 weights: several programs and a masked tail for K = 3 super-blocks."""
     return Tile(block_m=4, nb=512 // GEOMETRY[qtype][0], num_warps=4)

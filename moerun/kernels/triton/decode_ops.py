@@ -70,15 +70,11 @@ def rope_table(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0,
 
 
 @triton.jit
-def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
-                    WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
-                    NEOX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FULL: tl.constexpr):
-    """One head [D] at x_ptr, optionally RMS-normed (per head, or over the WIDTH floats at full_ptr; w_ptr already
-    points at this head's D weights), then RoPE'd on its first R dims with cos at cs_ptr[0:R/2], sin at cs_ptr[R/2:R].
-    Returns [BLOCK_D] f32 (lanes >= D are garbage-free zeros)."""
+def rope_pairs(d, R: tl.constexpr, NEOX: tl.constexpr):
+    """RoPE pairing of head dims d [BLOCK_D]: (rotated mask d < R, each dim's partner, its frequency index,
+    the sign of the partner's sine term). NEOX pairs d with d +- R/2, the GPT-J style pairs 2i with 2i+1;
+    partner and index are 0 outside the rotated dims."""
     HALF: tl.constexpr = R // 2
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
     rot = d < R
     if NEOX:
         lo = d < HALF
@@ -89,8 +85,20 @@ def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
         partner = d ^ 1
         fi = d // 2
         sign = tl.where((d % 2) == 0, -1.0, 1.0)
-    partner = tl.where(rot, partner, 0)
-    fi = tl.where(rot, fi, 0)
+    return rot, tl.where(rot, partner, 0), tl.where(rot, fi, 0), sign
+
+
+@triton.jit
+def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
+                    WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+                    NEOX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FULL: tl.constexpr):
+    """One head [D] at x_ptr, optionally RMS-normed (per head, or over the WIDTH floats at full_ptr; w_ptr already
+    points at this head's D weights), then RoPE'd on its first R dims with cos at cs_ptr[0:R/2], sin at cs_ptr[R/2:R].
+    Returns [BLOCK_D] f32 (lanes >= D are garbage-free zeros)."""
+    HALF: tl.constexpr = R // 2
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rot, partner, fi, sign = rope_pairs(d, R, NEOX)
     x = tl.load(x_ptr + d, mask=dmask, other=0.0)
     xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
     if QK_NORM == 1:

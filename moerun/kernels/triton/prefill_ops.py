@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.triton.decode_ops import QK_NORM_KINDS, ROPE_STYLES, _cast_store, _np2, softmax_topk
+from moerun.kernels.triton.decode_ops import QK_NORM_KINDS, ROPE_STYLES, _cast_store, _np2, rope_pairs, softmax_topk
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Residual add + RMSNorm
@@ -85,18 +85,7 @@ def _norm_rope_heads(x_ptr, w_ptr, cs_ptr, eps, NH: tl.constexpr, D: tl.constexp
     HALF: tl.constexpr = R // 2
     hh = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    rot = d < R
-    if NEOX:
-        lo = d < HALF
-        partner = tl.where(lo, d + HALF, d - HALF)
-        fi = tl.where(lo, d, d - HALF)
-        sign = tl.where(lo, -1.0, 1.0)
-    else:
-        partner = d ^ 1
-        fi = d // 2
-        sign = tl.where((d % 2) == 0, -1.0, 1.0)
-    partner = tl.where(rot, partner, 0)
-    fi = tl.where(rot, fi, 0)
+    rot, partner, fi, sign = rope_pairs(d, R, NEOX)
     hmask = (hh < NH)[:, None]
     mask = hmask & (d < D)[None, :]
     pmask = hmask & rot[None, :]

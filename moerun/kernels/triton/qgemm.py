@@ -420,6 +420,20 @@ def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr):
     return w
 
 
+@triton.jit
+def _step_weights(raw, wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr, PREFETCH: tl.constexpr):
+    """Weights [BN, BK] float32 of the step at k0, and what the next step decodes: with PREFETCH, decoded
+    from `raw` (loaded one step earlier) after issuing step k0 + BK's raw loads; otherwise read and
+    decoded now (`raw` passes through unused)."""
+    if PREFETCH:
+        nxt = ld_raw(wr, nm, k0 + BKC, K, QTYPE, BKC)
+        w = dq_raw(raw, k0, QTYPE, BKC)
+    else:
+        nxt = raw
+        w = deq_tile(wr, nm, k0, K, QTYPE, BKC)
+    return w, nxt
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 
 
@@ -488,29 +502,21 @@ def _qgemm_kernel(
             wr2 = w2_ptr + e.to(tl.int64) * stride_w2e + n.to(tl.int64) * stride_w2m
             acc2 = tl.zeros([BM, BN], dtype=tl.float32)
         kk = tl.arange(0, BKC)
+        raw = 0  # with PREFETCH: the raw loads of the step about to be decoded
+        raw2 = 0
         if PREFETCH:
             raw = ld_raw(wr, nm, 0, K, QTYPE, BKC)
             if GATED:
                 raw2 = ld_raw(wr2, nm, 0, K, QTYPE2, BKC)
-            for k0 in range(0, K, BKC):
-                k = k0 + kk
-                a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :],
-                            mask=valid[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
-                nxt = ld_raw(wr, nm, k0 + BKC, K, QTYPE, BKC)
-                acc = _mma(acc, a, dq_raw(raw, k0, QTYPE, BKC), EXACT, EMULATE)
-                raw = nxt
-                if GATED:
-                    nxt2 = ld_raw(wr2, nm, k0 + BKC, K, QTYPE2, BKC)
-                    acc2 = _mma(acc2, a, dq_raw(raw2, k0, QTYPE2, BKC), EXACT, EMULATE)
-                    raw2 = nxt2
-        else:
-            for k0 in range(0, K, BKC):
-                k = k0 + kk
-                a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :],
-                            mask=valid[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
-                acc = _mma(acc, a, deq_tile(wr, nm, k0, K, QTYPE, BKC), EXACT, EMULATE)
-                if GATED:
-                    acc2 = _mma(acc2, a, deq_tile(wr2, nm, k0, K, QTYPE2, BKC), EXACT, EMULATE)
+        for k0 in range(0, K, BKC):
+            k = k0 + kk
+            a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
+                        other=0.0)  # [BM, BK]
+            w, raw = _step_weights(raw, wr, nm, k0, K, QTYPE, BKC, PREFETCH)
+            acc = _mma(acc, a, w, EXACT, EMULATE)
+            if GATED:
+                w2, raw2 = _step_weights(raw2, wr2, nm, k0, K, QTYPE2, BKC, PREFETCH)
+                acc2 = _mma(acc2, a, w2, EXACT, EMULATE)
         if GATED:
             acc = _act(acc, ACT) * acc2
         if SCATTER:
