@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from support.device import TEST_DEVICE
-from support.hf_to_gguf import write_gguf
+from support.tiny_files import rel_err, tiny_gguf, tiny_tokens
 from support.tiny_models import TINY
 
 from moerun.engine.engine import Engine
@@ -22,19 +20,11 @@ OPS = ["torch"] + (["triton"] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float().cpu(), ref.float().cpu()
-    return float((got - ref).abs().max() / ref.abs().max())
-
-
 @pytest.fixture(scope="module", params=[(a, q) for a in TINY for q in ("f32", "q4_k")], ids=lambda p: "-".join(p))
 def model_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
     arch, qtype = request.param
-    seed = int(np.random.default_rng().integers(1 << 31))
-    model = TINY[arch](seed)
-    path = tmp_path_factory.mktemp(f"{arch}-{qtype}") / "model.gguf"
-    write_gguf(model, path, qtype=qtype, seed=seed)
-    return path, np.random.default_rng(seed).integers(0, model.config.vocab_size - 2, N_STEPS).tolist()
+    model, path, seed = tiny_gguf(arch, qtype, tmp_path_factory.mktemp(f"{arch}-{qtype}"))
+    return path, tiny_tokens(model, seed, N_STEPS)
 
 
 @pytest.mark.parametrize("graph", GRAPH, ids=lambda g: "graph" if g else "eager")

@@ -14,10 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from support.device import TEST_DEVICE  # noqa: E402
-from support.hf_to_gguf import write_gguf  # noqa: E402
+from support.tiny_files import rel_err, tiny_gguf, tiny_tokens  # noqa: E402
 from support.tiny_models import TINY  # noqa: E402
 
 from moerun.engine import fast_prefill  # noqa: E402
@@ -28,11 +27,6 @@ N_TOKENS = 24
 KW = dict(device=TEST_DEVICE, kv_dtype="float32")  # no dtype: each test picks the prefill dtype
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float().cpu(), ref.float().cpu()
-    return float((got - ref).abs().max() / ref.abs().max())
-
-
 CASES = [(a, "f32") for a in TINY] + [(a, q) for a in ("olmoe", "qwen3") for q in ("q4_k", "q8_0")]
 
 
@@ -40,11 +34,8 @@ CASES = [(a, "f32") for a in TINY] + [(a, q) for a in ("olmoe", "qwen3") for q i
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(path, tokens, reference logits [T, V] float32) of a fresh random tiny model."""
     arch, qtype = request.param
-    seed = int(np.random.default_rng().integers(1 << 31))
-    model = TINY[arch](seed)
-    path = tmp_path_factory.mktemp(f"{arch}-{qtype}") / "model.gguf"
-    write_gguf(model, path, qtype=qtype, seed=seed)
-    tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size - 2, N_TOKENS).tolist()
+    model, path, seed = tiny_gguf(arch, qtype, tmp_path_factory.mktemp(f"{arch}-{qtype}"))
+    tokens = tiny_tokens(model, seed, N_TOKENS)
     ref = Engine(path, fast=False, prefill="reference", **KW).forward(tokens)
     return path, tokens, ref, arch
 

@@ -18,6 +18,7 @@ import torch
 from support import llamacpp
 from support.device import ENGINE_KW
 from support.hf_to_gguf import write_gguf
+from support.tiny_files import rel_err, tiny_gguf, tiny_tokens
 from support.tiny_models import TINY
 
 from moerun.engine.engine import Engine
@@ -30,21 +31,12 @@ QTYPES = ["f32", "q8_0", "q4_k"]
 LLAMACPP_TOL = {"gemma3": 2e-3}
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float().cpu(), ref.float().cpu()
-    return float((got - ref).abs().max() / ref.abs().max())
-
-
 @pytest.fixture(scope="module", params=[(a, q) for a in TINY for q in QTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(arch key, qtype, gguf path, HF logits [T, V], tokens [T], seed, moerun prefill logits [T, V])."""
     arch, qtype = request.param
-    seed = int(np.random.default_rng().integers(1 << 31))
-    model = TINY[arch](seed)
-    path = tmp_path_factory.mktemp(f"{arch}-{qtype}") / "model.gguf"
-    write_gguf(model, path, qtype=qtype, seed=seed)
-    vocab = model.config.vocab_size
-    tokens = torch.as_tensor(np.random.default_rng(seed).integers(0, vocab - 2, N_TOKENS))  # [T]
+    model, path, seed = tiny_gguf(arch, qtype, tmp_path_factory.mktemp(f"{arch}-{qtype}"))
+    tokens = torch.as_tensor(tiny_tokens(model, seed, N_TOKENS))  # [T]
     with torch.no_grad():
         ref = model(tokens[None]).logits[0].float()  # [T, V]
     got = Engine(path, **ENGINE_KW).forward(tokens).cpu()  # [T, V]
@@ -81,11 +73,8 @@ def test_decode_and_continuation_equal_prefill(case) -> None:
 def test_logits_match_llamacpp(arch: str, tmp_path: Path) -> None:
     if not llamacpp.available():
         pytest.fail("llama-cpp-python is not installed (.ci/run builds it from source)")
-    seed = int(np.random.default_rng().integers(1 << 31))
-    model = TINY[arch](seed)
-    path = tmp_path / "model.gguf"
-    write_gguf(model, path, qtype="f32", seed=seed)
-    tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size - 2, N_TOKENS).tolist()
+    model, path, seed = tiny_gguf(arch, "f32", tmp_path)
+    tokens = tiny_tokens(model, seed, N_TOKENS)
     ref = torch.from_numpy(llamacpp.llamacpp_logits(str(path), tokens))  # [T, V]
     got = Engine(path, **ENGINE_KW).forward(tokens)
     err = rel_err(got, ref)
