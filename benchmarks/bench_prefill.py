@@ -26,6 +26,12 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "default": {},
     "eager": {"graph_max": 0},
     "no prefetch": {"tiles": {k: t._replace(prefetch=frozenset()) for k, t in fp.TILES.items()}},
+    "swap moe 128x64": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4, swap=True)
+                                  for k in ("gate_up", "down")}},
+    "swap moe 64x64": {"tiles": {k: fp.TILES[k]._replace(block_m=64, block_n=64, num_warps=4, swap=True)
+                                 for k in ("gate_up", "down")}},
+    "swap all 128x64": {"tiles": {k: t._replace(block_m=128, block_n=64, num_warps=4, swap=True)
+                                  for k, t in fp.TILES.items()}},
     "prefetch all": {"tiles": {k: t._replace(prefetch=frozenset({8, 12, 14})) for k, t in fp.TILES.items()}},
     "all 64x64 w4 s3": {"tiles": {k: GemmTile(64, 64, 4, 3) for k in ("dense", "gate_up", "down")}},
     "moe 64x64 w4 s2": {"tiles": {"gate_up": GemmTile(64, 64, 4, 2), "down": GemmTile(64, 64, 4, 2)}},

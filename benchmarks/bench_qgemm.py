@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
 """Micro-benchmark of the prefill GEMM kernels (kernels/triton/qgemm.py) at OLMoE-1B-7B sizes.
 
-    python benchmarks/bench_qgemm.py [--types Q4_K,Q8_0,F16] [--tiles 64x64x4x2,...] [--prefetch on,off]
+    python benchmarks/bench_qgemm.py [--types Q4_K,Q8_0,F16] [--tiles 64x64x4x2,128x64x4x3sw,...] [--prefetch on,off]
 
 Per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
 64 experts, top-8, F = 1024) and the grouped down; median of 20 CUDA-event timings, as TFLOP/s and as
@@ -68,9 +68,10 @@ def main() -> None:
         w_u = weights(qt, (E, F), N, gen)
         w_d = weights(qt, (E, N), F, gen)
         for spec, pf in [(t, p) for t in args.tiles.split(",") for p in args.prefetch.split(",")]:
-            bm, bn, nw, ns = (int(v) for v in spec.split("x")[:4])
+            bm, bn, nw, ns = (int(v) for v in spec.removesuffix("sw").split("x")[:4])
             spec = f"{spec} pf {pf}"
-            tile = qg.GemmTile(bm, bn, nw, ns, frozenset({8, 12, 14}) if pf == "on" else frozenset())
+            tile = qg.GemmTile(bm, bn, nw, ns, frozenset({8, 12, 14}) if pf == "on" else frozenset(),
+                               swap=spec.endswith("sw"))
             try:
                 out = torch.empty(T, N, device=dev)
                 ms = timed(lambda: qg.qgemm(x, w_dense, qt, out, tile=tile))

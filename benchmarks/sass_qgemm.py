@@ -191,13 +191,13 @@ def report(label: str, ck, tile: qg.GemmTile, gated: bool, dump: str | None) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,F16")
-    ap.add_argument("--tiles", default="64x64x4x2")
+    ap.add_argument("--tiles", default="64x64x4x2", help="BMxBNxWARPSxSTAGES, suffix sw = swapped operands")
     ap.add_argument("--configs", default="gate_up,dense")
     ap.add_argument("--dump", default=None, help="write each kernel's SASS and TTGIR into this folder")
     args = ap.parse_args()
     rows = []
     for spec in args.tiles.split(","):
-        tile = qg.GemmTile(*(int(v) for v in spec.split("x")))
+        tile = qg.GemmTile(*(int(v) for v in spec.removesuffix("sw").split("x")), swap=spec.endswith("sw"))
         for config in args.configs.split(","):
             for tname in args.types.split(","):
                 qt = int(Q[tname])

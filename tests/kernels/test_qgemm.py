@@ -79,6 +79,37 @@ def test_prefetch_paths(qtype, k, prefetch, device, rng) -> None:
     _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL, f"{qtype.name} K={k} seed {seed}")
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("exact", [True, False], ids=["f32", "bf16"])
+def test_swapped_operands(qtype, exact, device, rng) -> None:
+    """GemmTile.swap (out^T = W A^T on the tensor cores): dense and grouped products as the plain order."""
+    gen, seed = rng
+    tile = TILE._replace(swap=True)
+    t, m, k = 21, 37, 512
+    raw, w = _weights(qtype, (m,), k, gen, device)
+    a = _mat(gen, t, k)
+    out = torch.full((t, m), float("nan"), device=device)
+    qgemm(a.to(device), raw, int(qtype), out, exact=exact, tile=tile)
+    _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL if exact else BF16_TOL,
+           f"{qtype.name} swapped seed {seed}")
+    e, topk, f = 3, 2, 256
+    wg, dg = _weights(qtype, (e, f), k, gen, device)
+    wu, du = _weights(qtype, (e, f), k, gen, device)
+    wd, dd = _weights(qtype, (e, k), f, gen, device)
+    ids = torch.from_numpy(np.stack([gen.permutation(e)[:topk] for _ in range(t)]))
+    rw = torch.from_numpy(gen.uniform(0.05, 1.0, (t, topk)).astype(np.float32))
+    r = moe_align(ids.to(device).int(), e, tile.block_m)
+    outs = []
+    for tl_ in (TILE, tile):
+        h = torch.full((r.rows.shape[0], f), float("nan"), device=device)
+        moe_gate_up(a.to(device), wg, wu, int(qtype), int(qtype), r, h, "silu", exact=True, tile=tl_)
+        y = torch.full((t * topk, k), float("nan"), device=device)
+        moe_down(h, wd, int(qtype), r, rw.reshape(-1).to(device), y, exact=True, tile=tl_)
+        outs.append(y.cpu())
+    assert not outs[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5 * float(outs[0].abs().max()))
+
+
 def test_moe_align(device, rng) -> None:
     gen, _ = rng
     e, topk, t, bm = 7, 3, 29, 16

@@ -55,6 +55,7 @@ class GemmTile(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     prefetch: frozenset[int] = frozenset({8, 14})
+    swap: bool = False  # compute out^T = W A^T: decoded weights as the MMA's register operand (NOTES 6g)
 
 
 DEFAULT_TILE = GemmTile()
@@ -446,12 +447,21 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _mma(acc, a, w, EXACT: tl.constexpr, EMULATE: tl.constexpr):
+def _mma(acc, a, w, EXACT: tl.constexpr, EMULATE: tl.constexpr, SWAP: tl.constexpr = False):
     """acc [BM, BN] += a [BM, BK] @ w [BN, BK]^T; bf16 tensor cores, or float32 ("ieee") when EXACT.
+    SWAP: acc [BN, BM] += w @ a^T instead (the weights become the MMA's first operand, which Hopper's
+    wgmma can read from registers; the activations its second, from shared memory).
 
     EMULATE (Triton's CPU interpreter, whose bf16 dot and conversions are not IEEE): operands rounded
     to bf16 by integer ops, then multiplied in float32 — the same products a bf16 tensor core forms."""
-    if EXACT:
+    if SWAP:
+        if EXACT:
+            acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+        elif EMULATE:
+            acc = tl.dot(_round_bf16(w), tl.trans(_round_bf16(a.to(tl.float32))), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+    elif EXACT:
         acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
     elif EMULATE:
         acc = tl.dot(_round_bf16(a.to(tl.float32)), tl.trans(_round_bf16(w)), acc, input_precision="ieee")
@@ -467,6 +477,7 @@ def _qgemm_kernel(
     K: tl.constexpr, QTYPE: tl.constexpr, QTYPE2: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
     SCATTER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EXACT: tl.constexpr, EMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKC: tl.constexpr, PREFETCH: tl.constexpr = False,
+    SWAP: tl.constexpr = False,
 ):
     """Grid (cdiv(P, BM), cdiv(M, BN)); P = rows of the (padded) product.
 
@@ -497,10 +508,11 @@ def _qgemm_kernel(
         n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
         nm = n < M
         wr = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wm
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        ACC_SHAPE: tl.constexpr = [BN, BM] if SWAP else [BM, BN]
+        acc = tl.zeros(ACC_SHAPE, dtype=tl.float32)
         if GATED:
             wr2 = w2_ptr + e.to(tl.int64) * stride_w2e + n.to(tl.int64) * stride_w2m
-            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+            acc2 = tl.zeros(ACC_SHAPE, dtype=tl.float32)
         kk = tl.arange(0, BKC)
         raw = 0  # with PREFETCH: the raw loads of the step about to be decoded
         raw2 = 0
@@ -513,10 +525,14 @@ def _qgemm_kernel(
             a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
                         other=0.0)  # [BM, BK]
             w, raw = _step_weights(raw, wr, nm, k0, K, QTYPE, BKC, PREFETCH)
-            acc = _mma(acc, a, w, EXACT, EMULATE)
+            acc = _mma(acc, a, w, EXACT, EMULATE, SWAP)
             if GATED:
                 w2, raw2 = _step_weights(raw2, wr2, nm, k0, K, QTYPE2, BKC, PREFETCH)
-                acc2 = _mma(acc2, a, w2, EXACT, EMULATE)
+                acc2 = _mma(acc2, a, w2, EXACT, EMULATE, SWAP)
+        if SWAP:  # back to [BM, BN] for the epilogue (one layout conversion per tile)
+            acc = tl.trans(acc)
+            if GATED:
+                acc2 = tl.trans(acc2)
         if GATED:
             acc = _act(acc, ACT) * acc2
         if SCATTER:
@@ -561,7 +577,7 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     _qgemm_kernel[grid](
         a, wt, wt, out, a, a, a, T, M, a.stride(0), out.stride(0), 0, wt.stride(0), 0, wt.stride(0), 1,
         K=K, QTYPE=qtype, QTYPE2=qtype, GROUPED=False, GATHER=False, SCATTER=False, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype),
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype), SWAP=tile.swap,
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -588,7 +604,7 @@ def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype
         wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), routing.topk,
         K=K, QTYPE=qtype_gate, QTYPE2=qtype_up, GROUPED=True, GATHER=True, SCATTER=False, GATED=True,
         ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype_gate, qtype_up),
-        BM=tile.block_m, BN=tile.block_n, BKC=BK,
+        SWAP=tile.swap, BM=tile.block_m, BN=tile.block_n, BKC=BK,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -611,7 +627,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, qtype: int, routing: Routing
         h, wd, wd, out, routing.rows, routing.block_expert, route_w, P, N, h.stride(0), out.stride(0),
         wd.stride(0), wd.stride(1), 0, 0, routing.topk,
         K=F, QTYPE=qtype, QTYPE2=qtype, GROUPED=True, GATHER=False, SCATTER=True, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, tile, qtype),
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, tile, qtype), SWAP=tile.swap,
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
