@@ -26,6 +26,7 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "default": {},
     "eager": {"graph_max": 0},
     "no prefetch": {"tiles": {k: t._replace(prefetch=frozenset()) for k, t in fp.TILES.items()}},
+    "moe 128x64 w4 s3": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4) for k in ("gate_up", "down")}},
     "swap moe 128x64": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4, swap=True)
                                   for k in ("gate_up", "down")}},
     "swap moe 64x64": {"tiles": {k: fp.TILES[k]._replace(block_m=64, block_n=64, num_warps=4, swap=True)
