@@ -61,6 +61,9 @@ TILES: dict[tuple[str, int, int, int], Tile] = {}
 # profile (OLMoE Q4_K_M, benchmarks/NOTES.md section 5): 16 made gate/up 1.56x faster (BM 8 -> 2) but
 # down 1.26x and the plain matvec 1.12x slower (BM 2 -> 1), so only gate/up uses it.
 PROGRAMS_PER_SM = {"mv": 4, "gate_up": 16, "down": 4}
+# ... except where a type measured better otherwise, keyed by (kind, GGML type): Q8_0's gate/up ran tg128
+# 626.2 t/s at 4 programs/SM (c940102) and 583.6-592.0 at 16 (a462046, f503105), F16 and Q4_K gained.
+PROGRAMS_PER_SM_BY_TYPE: dict[tuple[str, int], int] = {("gate_up", 8): 4}
 MAX_BLOCK_M = 32
 WEIGHTS_PER_STEP = 4096  # weights decoded per program per K-step (all matrices of the program together)
 WEIGHTS_PER_THREAD = 32  # -> num_warps = weights per step / (32 * this), clamped to [2, 8]
@@ -94,7 +97,8 @@ def default_tile(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torc
     bs = GEOMETRY[qtype][0]
     n_blocks = k // bs
     rows = m * (n_sel if kind == "gate_up" else 1)
-    bm = min(MAX_BLOCK_M, _pow2_floor(rows // (PROGRAMS_PER_SM[kind] * sm_count(device))))
+    per_sm = PROGRAMS_PER_SM_BY_TYPE.get((kind, qtype), PROGRAMS_PER_SM[kind])
+    bm = min(MAX_BLOCK_M, _pow2_floor(rows // (per_sm * sm_count(device))))
     bm = min(bm, triton.next_power_of_2(m))
     mats = 2 if kind == "gate_up" else 1
     nb = _pow2_floor(max(1, WEIGHTS_PER_STEP // (bm * bs * mats)))
