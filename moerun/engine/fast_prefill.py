@@ -6,12 +6,12 @@ the token-expert assignments grouped by expert on the device (moe_align.py, no h
 attention torch's scaled_dot_product_attention (flash / memory-efficient kernels) over the KV cache,
 which the chunk's keys and values are written into first. Residual add + RMSNorm (which also sums each
 token's expert outputs), QK-norm + RoPE + KV store, and the router's softmax/top-k are one Triton
-launch each (kernels/triton/prefill_ops.py): ~20 launches per layer.
+launch each (kernels/triton/prefill_ops.py): ~15 launches per layer.
 
 Long prompts run in chunks of `chunk` tokens (each continues the cache like a multi-turn prompt), so
 intermediate buffers stay bounded whatever the prompt length.
 
-CUDA graphs: a prompt is launch-bound on the host below a few thousand tokens (~15 launches per layer,
+CUDA graphs: a prompt is launch-bound on the host below a few thousand tokens (those launches take
 tens of microseconds each from Python). A prompt chunk at position 0 (the first chunk of every
 conversation; what `moerun bench`'s ppN times) whose logits are wanted only for its last token is
 therefore replayed as a CUDA graph: its length is padded up to a multiple of GRAPH_STEP (padding tokens
