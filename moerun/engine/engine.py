@@ -232,10 +232,13 @@ class Engine:
         return {name: path(t) for name, t in sorted(entries.items())}
 
     def prefill_path(self) -> str:
-        """How prompts run: "triton-gemm (bf16 inputs)", "triton-gemm (float32)" or "torch-dequant"."""
-        if self.prefiller is None:
+        """How prompts run: "torch-dequant", or "triton-gemm (bf16 inputs|float32[, graphs <= N])" where
+        first chunks of up to N tokens replay as CUDA graphs."""
+        p = self.prefiller
+        if p is None:
             return "torch-dequant"
-        return "triton-gemm (float32)" if self.prefiller.exact else "triton-gemm (bf16 inputs)"
+        graphs = f", graphs <= {p.graph_max}" if p.graph_max else ""
+        return f"triton-gemm ({'float32' if p.exact else 'bf16 inputs'}{graphs})"
 
     def close(self) -> None:
         self.file.close()

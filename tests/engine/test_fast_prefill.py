@@ -82,6 +82,17 @@ def test_bad_prefill_options(case) -> None:
         Engine(path, fast=False, prefill="fast", prefill_dtype="int8", **KW)
 
 
+def test_prefill_path_names(case) -> None:
+    """The bench's path column: which prompt path, its matrix-input dtype, and the graph limit on CUDA."""
+    path = case[0]
+    assert Engine(path, fast=False, prefill="reference", **KW).prefill_path() == "torch-dequant"
+    graphs = ", graphs <= 1024" if str(TEST_DEVICE).startswith("cuda") else ""
+    eng = Engine(path, fast=False, prefill="fast", prefill_dtype="bfloat16", **KW)
+    assert eng.prefill_path() == f"triton-gemm (bf16 inputs{graphs})"
+    eng = Engine(path, fast=False, prefill="fast", prefill_dtype="float32", graph=False, **KW)
+    assert eng.prefill_path() == "triton-gemm (float32)"
+
+
 def test_fast_prefill_then_decode(case) -> None:
     """The cache fast prefill writes is the one decode continues from: greedy tokens as the reference."""
     path, tokens, _, _ = case
