@@ -484,10 +484,10 @@ def _qgemm_kernel(
     GROUPED: block b uses expert bexp[b] (-1: nothing to do) and rows[p] (assignment, -1 = padding);
     GATHER: A row of p = rows[p] // topk (else p); SCATTER: output row = rows[p], scaled by
     scale[rows[p]] (else p); GATED: out = act(A W^T) * (A W2^T). Not GROUPED: rows p < n_a, expert 0.
-    PREFETCH (Q8_0 with K % 64 == 0, Q6_K with K % 512 == 0, QTYPE2 == QTYPE): the raw weights of step
-    k0 + BK are loaded before step k0's decode and product (a register double buffer: Q8_0's byte loads
-    are too narrow for Triton's asynchronous-copy pipelining, Q6_K's unaligned words too small for
-    16-byte copies).
+    PREFETCH (Q8_0 with K % 64 == 0, Q4_K with K % 256 == 0, Q6_K with K % 512 == 0; QTYPE2 == QTYPE): the
+    raw weights of step k0 + BK are loaded before step k0's decode and product (a register double buffer:
+    Q8_0's byte loads are too narrow for Triton's asynchronous-copy pipelining, Q6_K's unaligned words
+    too small for 16-byte copies). SWAP: see _mma.
     """
     pid_m = tl.program_id(0)
     p = pid_m * BM + tl.arange(0, BM)  # [BM]
