@@ -275,10 +275,18 @@ class FastPrefill:
     def padded_forward(self, tokens: torch.Tensor, padded: int) -> torch.Tensor:
         """What a graph replays, run eagerly: tokens [T] padded with token 0 to `padded` rows at position
         0 -> logits [1, V] of the last real token (tests check it equals the unpadded forward)."""
-        buf = torch.zeros(padded, dtype=torch.long, device=tokens.device)
-        buf[:tokens.shape[0]] = tokens
-        last = torch.full((1,), tokens.shape[0] - 1, dtype=torch.long, device=tokens.device)
+        buf = torch.empty(padded, dtype=torch.long, device=tokens.device)
+        last = torch.empty(1, dtype=torch.long, device=tokens.device)
+        _fill_padded(buf, last, tokens)
         return self._chunk(buf, 0, True, last)
+
+
+def _fill_padded(buf: torch.Tensor, last: torch.Tensor, tokens: torch.Tensor) -> None:
+    """A padded first chunk's inputs: buf [padded] = tokens [T] then token 0; last [1] = T - 1."""
+    T = tokens.shape[0]
+    buf[:T].copy_(tokens)
+    buf[T:].zero_()
+    last.fill_(T - 1)
 
 
 class _ChunkGraph:
@@ -301,9 +309,6 @@ class _ChunkGraph:
 
     def run(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] (T <= padded) at position 0 -> logits [1, V] float32 (a copy: graphs share memory)."""
-        T = tokens.shape[0]
-        self.tokens[:T].copy_(tokens)
-        self.tokens[T:].zero_()
-        self.last.fill_(T - 1)
+        _fill_padded(self.tokens, self.last, tokens)
         self.graph.replay()
         return self.logits.clone()

@@ -50,18 +50,24 @@ def _check(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, tol: float
     assert worst <= tol, f"{what}: error {worst:.3g} x sum|a||w|"
 
 
+def _check_dense(qtype, t: int, m: int, k: int, tile: GemmTile, exact: bool, device, gen, what: str
+                 ) -> torch.Tensor:
+    """qgemm of fresh random [t, k] inputs by fresh [m, k] weights of `qtype` (NaN-poisoned output) against
+    the float64 product of the dequantized weights; returns the inputs a [t, k] (CPU)."""
+    raw, w = _weights(qtype, (m,), k, gen, device)
+    a = _mat(gen, t, k)
+    out = torch.full((t, m), float("nan"), device=device)
+    qgemm(a.to(device), raw, int(qtype), out, exact=exact, tile=tile)
+    _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL if exact else BF16_TOL, what)
+    return a
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("exact", [True, False], ids=["f32", "bf16"])
 def test_qgemm(qtype, exact, device, rng) -> None:
     gen, seed = rng
-    t, m = 21, 37
     k = 320 if GEOMETRY[qtype][0] == 32 else 512  # 32-blocks: K not a multiple of the 64-weight step
-    raw, w = _weights(qtype, (m,), k, gen, device)
-    a = _mat(gen, t, k)
-    out = torch.full((t, m), float("nan"), device=device)
-    qgemm(a.to(device), raw, int(qtype), out, exact=exact, tile=TILE)
-    _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL if exact else BF16_TOL,
-           f"{qtype.name} seed {seed}")
+    _check_dense(qtype, 21, 37, k, TILE, exact, device, gen, f"{qtype.name} seed {seed}")
 
 
 @pytest.mark.parametrize("qtype,k", [(T.Q8_0, 288), (T.Q8_0, 320), (T.Q6_K, 512), (T.Q6_K, 768), (T.Q4_K, 512)],
@@ -71,12 +77,7 @@ def test_prefetch_paths(qtype, k, prefetch, device, rng) -> None:
     """Q8_0 / Q6_K / Q4_K with the raw weights loaded one step ahead (where K allows) and without."""
     tile = TILE._replace(prefetch=frozenset({8, 12, 14}) if prefetch else frozenset())
     gen, seed = rng
-    t, m = 19, 45
-    raw, w = _weights(qtype, (m,), k, gen, device)
-    a = _mat(gen, t, k)
-    out = torch.full((t, m), float("nan"), device=device)
-    qgemm(a.to(device), raw, int(qtype), out, exact=True, tile=tile)
-    _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL, f"{qtype.name} K={k} seed {seed}")
+    _check_dense(qtype, 19, 45, k, tile, True, device, gen, f"{qtype.name} K={k} seed {seed}")
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
@@ -85,17 +86,12 @@ def test_swapped_operands(qtype, exact, device, rng) -> None:
     """GemmTile.swap (out^T = W A^T on the tensor cores): dense and grouped products as the plain order."""
     gen, seed = rng
     tile = TILE._replace(swap=True)
-    t, m, k = 21, 37, 512
-    raw, w = _weights(qtype, (m,), k, gen, device)
-    a = _mat(gen, t, k)
-    out = torch.full((t, m), float("nan"), device=device)
-    qgemm(a.to(device), raw, int(qtype), out, exact=exact, tile=tile)
-    _check(out, a.double() @ w.T, a.double().abs() @ w.abs().T, EXACT_TOL if exact else BF16_TOL,
-           f"{qtype.name} swapped seed {seed}")
+    t, k = 21, 512
+    a = _check_dense(qtype, t, 37, k, tile, exact, device, gen, f"{qtype.name} swapped seed {seed}")
     e, topk, f = 3, 2, 256
-    wg, dg = _weights(qtype, (e, f), k, gen, device)
-    wu, du = _weights(qtype, (e, f), k, gen, device)
-    wd, dd = _weights(qtype, (e, k), f, gen, device)
+    wg, _ = _weights(qtype, (e, f), k, gen, device)
+    wu, _ = _weights(qtype, (e, f), k, gen, device)
+    wd, _ = _weights(qtype, (e, k), f, gen, device)
     ids = torch.from_numpy(np.stack([gen.permutation(e)[:topk] for _ in range(t)]))
     rw = torch.from_numpy(gen.uniform(0.05, 1.0, (t, topk)).astype(np.float32))
     r = moe_align(ids.to(device).int(), e, tile.block_m)
