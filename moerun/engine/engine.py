@@ -227,8 +227,8 @@ class Engine:
         def path(ggml_type: int) -> str:
             if fast is None:
                 return "torch-dequant"
-            has = getattr(fast.ops, "has_kernel", None)
-            return fast.ops.name if has is None or has(ggml_type) else "torch-dequant (no fused kernel)"
+            name = getattr(fast.ops, "kernel_name", None)
+            return fast.ops.name if name is None else name(ggml_type)
         return {name: path(t) for name, t in sorted(entries.items())}
 
     def prefill_path(self) -> str:

@@ -72,6 +72,7 @@ class FastDecoder:
         self.ids = torch.zeros(K, device=dev, dtype=torch.int32)       # chosen experts
         self.route_w = torch.ones(K, **f32)                             # their weights
         self.h = torch.empty(K, F, **f32)
+        self.xp = torch.empty(N, **f32)       # xn in the word kernels' order (ops.perm), where one reads it
         self._weights(weights)
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
@@ -113,13 +114,18 @@ class FastDecoder:
         self.ops.rms_norm(self.y, post_norm, self.cfg.rms_eps, self.tmp)
         self.x.add_(self.tmp)
 
+    def _perm(self, *mats: _Mat) -> torch.Tensor | None:
+        """self.xp if one of these matrices (over the model width) reads permuted activations, else None."""
+        return self.xp if any(self.ops.perm(m.qtype, self.cfg.n_embd) for m in mats) else None
+
     def _layer(self, i: int, L: dict[str, Any]) -> None:
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
-        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn)
+        xp = self._perm(L["attn_q"], L["attn_k"], L["attn_v"])
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
         for name, out in (("attn_q", self.q), ("attn_k", self.k), ("attn_v", self.v)):
             m = L[name]
-            ops.qmatvec(m.raw, m.qtype, self.xn, out)
+            ops.qmatvec(m.raw, m.qtype, self.xn, out, x_perm=xp)
         ops.qk_norm_rope_store(
             self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos,
             self.cache.k[i], self.cache.v[i], self.q_rot, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
@@ -135,17 +141,20 @@ class FastDecoder:
         else:
             ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x)
 
-        ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn)
+        g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
+        xp = self._perm(g, u)
+        ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
         if cfg.is_moe:
             ops.router(self.xn, L["ffn_gate_inp"], self.router_logits)
             ops.route_topk(self.router_logits, cfg.n_expert_used, cfg.expert_weights_norm, self.route_w, self.ids)
-        g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
-        ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act)
+        h_perm = ops.perm(d.qtype, self.h.shape[-1])  # down reads h permuted
+        ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
+                        perm_out=h_perm)
         if spec.post_norms:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm)
             self._add_block_output(L["post_ffw_norm"])
         else:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm)
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos."""
@@ -153,8 +162,9 @@ class FastDecoder:
         self._embed()
         for i, L in enumerate(self.layers):
             self._layer(i, L)
-        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn)
-        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits)
+        xp = self._perm(self.out_mat)
+        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp)
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)

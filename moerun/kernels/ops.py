@@ -9,11 +9,12 @@ from moerun.kernels.torch_ops import TorchOps
 
 
 def make_ops(name: str) -> Any:
-    """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel)."""
+    """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel);
+    "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs)."""
     if name == "torch":
         return TorchOps()
-    if name == "triton":
+    if name in ("triton", "triton-bytes"):
         from moerun.kernels.triton_ops import TritonOps
 
-        return TritonOps()
-    raise MoerunError(f"unknown decode ops {name!r}; use 'triton' or 'torch'")
+        return TritonOps(words=name == "triton")
+    raise MoerunError(f"unknown decode ops {name!r}; use 'triton', 'triton-bytes' or 'torch'")

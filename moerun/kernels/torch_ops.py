@@ -21,40 +21,73 @@ def _deq(w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     return dequantize(w, qtype, (*w.shape[:-1], cols))
 
 
+def permute_k4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 256 == 0) -> the order the word kernels read activations in (kernels/triton/wmatvec.py):
+    inside each block of 256, slot 64 k + a holds element 4 a + k."""
+    k = x.shape[-1]
+    return x.reshape(*x.shape[:-1], k // 256, 64, 4).transpose(-1, -2).reshape(x.shape)
+
+
+def unpermute_k4(xp: torch.Tensor) -> torch.Tensor:
+    """The inverse of permute_k4."""
+    k = xp.shape[-1]
+    return xp.reshape(*xp.shape[:-1], k // 256, 4, 64).transpose(-1, -2).reshape(xp.shape)
+
+
 class TorchOps:
-    """Reference implementations of the decode-step ops (allocate freely; correctness only)."""
+    """Reference implementations of the decode-step ops (allocate freely; correctness only).
+
+    Permuted activations (`permute_k4`): the fast step asks `perm(qtype, k)` whether a product wants its input
+    permuted; where it does, it passes the permuted copy too (`x_perm`, `rms_norm(out_perm=)`) and has
+    gate/up write h permuted for down (`perm_out` / `h_perm`). TorchOps never asks for them, but takes
+    them all, so that the step is one program whichever ops run it.
+    """
 
     name = "torch"
 
     @staticmethod
+    def perm(qtype: int, k: int) -> bool:
+        """Whether products of this weight type over K inputs read permuted activations (never, here)."""
+        return False
+
+    @staticmethod
     def qmatvec(w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]."""
+                residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
+        """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]. x_perm: ignored."""
         y = _deq(w, qtype, x.shape[-1]) @ x
         out.copy_(y if residual is None else y + residual)
         return out
 
     @staticmethod
     def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
-                    x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu") -> torch.Tensor:
-        """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] device."""
+                    x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
+                    x_perm: torch.Tensor | None = None, perm_out: bool = False) -> torch.Tensor:
+        """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] device.
+        perm_out: rows of out in permute_k4 order."""
         g = _deq(w_gate.index_select(0, ids.long()), qtype_gate, x.shape[-1]) @ x  # [K, F]
         u = _deq(w_up.index_select(0, ids.long()), qtype_up, x.shape[-1]) @ x  # [K, F]
-        out.copy_(ref.ACTIVATIONS[act](g) * u)
+        h = ref.ACTIVATIONS[act](g) * u
+        out.copy_(permute_k4(h) if perm_out else h)
         return out
 
     @staticmethod
     def moe_down(w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]."""
+                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, h_perm: bool = False) -> torch.Tensor:
+        """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]
+        (in permute_k4 order with h_perm)."""
+        if h_perm:
+            h = unpermute_k4(h)
         y = torch.einsum("knf,kf->kn", _deq(w_down.index_select(0, ids.long()), qtype, h.shape[-1]), h)  # [K, N]
         out.copy_(residual + (weights[:, None] * y).sum(0))
         return out
 
     @staticmethod
-    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-        """out [N] = x * rsqrt(mean(x^2) + eps) * w."""
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
+                 out_perm: torch.Tensor | None = None) -> torch.Tensor:
+        """out [N] = x * rsqrt(mean(x^2) + eps) * w (and into out_perm in permute_k4 order)."""
         out.copy_(ref.rms_norm(x, w, eps))
+        if out_perm is not None:
+            out_perm.copy_(permute_k4(out))
         return out
 
     @staticmethod

@@ -12,14 +12,19 @@ import torch
 from moerun.kernels.torch_ops import TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import qmatvec as qk
+from moerun.kernels.triton import wmatvec as wk
 
 
 class TritonOps:
-    """Fused Triton kernels for every decode-step op."""
+    """Fused Triton kernels for every decode-step op.
+
+    words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
+    permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, words: bool = True) -> None:
+        self.words = words
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -28,27 +33,48 @@ class TritonOps:
     def has_kernel(qtype: int) -> bool:
         return qtype in qk.SUPPORTED
 
+    def kernel_name(self, qtype: int) -> str:
+        """The decode path of a weight type, for the bench's path column."""
+        if self.words and qtype in wk.WORD_TYPES:
+            return "triton-words"
+        return "triton" if qtype in qk.SUPPORTED else "torch-dequant (no fused kernel)"
+
+    def perm(self, qtype: int, k: int) -> bool:
+        """Whether products of this type over K inputs run on the word kernels (permuted activations)."""
+        return self.words and wk.supports(qtype, k)
+
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
+        if x_perm is not None and self.perm(qtype, x.shape[-1]):
+            return wk.qmatvec_w(w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
-                    x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu") -> torch.Tensor:
+                    x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
+                    x_perm: torch.Tensor | None = None, perm_out: bool = False) -> torch.Tensor:
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
-            return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act)
-        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act)
+            return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
+        k = x.shape[-1]
+        if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k):
+            return wk.moe_gate_up_w(w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out)
+        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, h_perm: bool = False) -> torch.Tensor:
+        if h_perm:
+            if not self.perm(qtype, h.shape[-1]):
+                raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
+            return wk.moe_down_w(w_down, h, ids, weights, residual, out)
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
         return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
 
     @staticmethod
-    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-        return dk.rms_norm(x, w, eps, out)
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
+                 out_perm: torch.Tensor | None = None) -> torch.Tensor:
+        return dk.rms_norm(x, w, eps, out, out_perm)
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

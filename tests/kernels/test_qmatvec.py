@@ -16,43 +16,23 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
+from support.kernel_checks import check_bound as _check  # noqa: E402
+from support.kernel_checks import quant_weights as _weights  # noqa: E402
+from support.kernel_checks import vec as _vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, Tile, moe_down, moe_gate_up, qmatvec  # noqa: E402
-from moerun.quant import dequantize, random_blocks  # noqa: E402
 
 # silu / gelu_tanh divide by 1 + exp(-z): exp overflows to inf for very negative inputs (exactly right)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q4_0, T.Q5_0, T.F16, T.BF16, T.F32]
-TOL = 1e-5  # relative to sum |w| |x|: float32 accumulation
 SB = 256  # K is a whole number of 256-weight super-blocks (valid for every type)
 
 
 def _small_tile(qtype: int) -> Tile:
     """Few rows, a K-step of 512 weights: several programs and a masked tail for K = 3 super-blocks."""
     return Tile(block_m=4, nb=512 // GEOMETRY[qtype][0], num_warps=4)
-
-
-def _weights(qtype: int, lead: tuple[int, ...], k: int, rng: np.random.Generator, device: torch.device):
-    """Random raw bytes uint8 [*lead, row_bytes] and their float64 values [*lead, k]."""
-    bs, ts, _ = GEOMETRY[qtype]
-    n_rows = int(np.prod(lead))
-    raw = torch.from_numpy(random_blocks(qtype, n_rows * k // bs, rng, scale=0.5)).reshape(*lead, k // bs * ts)
-    dense = dequantize(raw, qtype, (*lead, k)).double()
-    return raw.to(device), dense
-
-
-def _vec(rng: np.random.Generator, *shape: int) -> torch.Tensor:
-    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
-
-
-def _check(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, seed: int, what: str) -> None:
-    out = out.cpu().double()
-    assert not out.isnan().any(), f"{what}: NaN in output (seed {seed})"
-    err = (out - ref).abs()
-    worst = (err / (bound + 1e-30)).max().item()
-    assert (err <= TOL * bound + 1e-30).all(), f"{what}: error {worst:.3g} x sum|w||x| (seed {seed})"
 
 
 def test_supported() -> None:

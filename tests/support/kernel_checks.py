@@ -5,7 +5,11 @@ Imports torch only (never triton), so a test module may import it before or afte
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from moerun.quant import dequantize, random_blocks
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RTOL = 1e-5
@@ -23,3 +27,28 @@ def close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
     """Relative error against the reference's scale (elementwise rtol plus a tiny absolute floor)."""
     atol = rtol * float(want.abs().max()) * 1e-1 + 1e-30
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+def quant_weights(qtype: int, lead: tuple[int, ...], k: int, rng: np.random.Generator,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random valid blocks as raw bytes uint8 [*lead, row_bytes] on `device`, and their values float64 [*lead, k]."""
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    n_rows = int(np.prod(lead))
+    raw = torch.from_numpy(random_blocks(qtype, n_rows * k // bs, rng, scale=0.5)).reshape(*lead, k // bs * ts)
+    dense = dequantize(raw, qtype, (*lead, k)).double()
+    return raw.to(device), dense
+
+
+def vec(rng: np.random.Generator, *shape: int) -> torch.Tensor:
+    """float32 N(0, 1) on the CPU."""
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+
+def check_bound(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, seed: int, what: str,
+                tol: float = RTOL) -> None:
+    """|out - ref| <= tol * bound elementwise, bound = sum |w| |x| (float32 accumulation), no NaN."""
+    out = out.cpu().double()
+    assert not out.isnan().any(), f"{what}: NaN in output (seed {seed})"
+    err = (out - ref).abs()
+    worst = (err / (bound + 1e-30)).max().item()
+    assert (err <= tol * bound + 1e-30).all(), f"{what}: error {worst:.3g} x sum|w||x| (seed {seed})"

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
+from moerun.kernels.triton.qmatvec import perm_slot
 
 LOG2E = 1.4426950408889634
 QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
@@ -32,23 +33,33 @@ def _np2(n: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, N, BLOCK: tl.constexpr):
-    """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32."""
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, eps, N, BLOCK: tl.constexpr, PERM: tl.constexpr):
+    """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
+    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
-    tl.store(out_ptr + row * N + offs, x * r * w, mask=mask)
+    y = x * r * w
+    tl.store(out_ptr + row * N + offs, y, mask=mask)
+    if PERM:
+        tl.store(perm_ptr + row * N + perm_slot(offs), y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-    """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
+             out_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
+
+    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
-    _rms_norm_kernel[(rows,)](x, w, out, float(eps), n, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    if out_perm is not None and n % 256:
+        raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
+    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, float(eps), n, BLOCK=block,
+                              PERM=out_perm is not None, num_warps=8 if block >= 4096 else 4)
     return out
 
 

@@ -147,6 +147,13 @@ def _qmatvec_kernel(
 
 
 @triton.jit
+def perm_slot(i):
+    """Where element i of a vector goes in the word kernels' order (wmatvec.permute_k4): inside each block of
+    256, element 4 a + k goes to slot 64 k + a."""
+    return (i // 256) * 256 + (i % 4) * 64 + (i % 256) // 4
+
+
+@triton.jit
 def _act(g, ACT: tl.constexpr):
     """silu(g) = g * sigmoid(g); gelu_tanh(g) = g * sigmoid(2 * sqrt(2/pi) * (g + 0.044715 g^3))."""
     if ACT == 0:
@@ -160,9 +167,10 @@ def _act(g, ACT: tl.constexpr):
 def _moe_gate_up_kernel(
     wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um, stride_out,
     NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
-    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr,
+    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr,
 ):
-    """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]."""
+    """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]
+    (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`)."""
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < F
@@ -181,7 +189,11 @@ def _moe_gate_up_kernel(
     else:
         g = row_dot(wg, rmask, x_ptr, NBLK_G, QG, BM, NBG)
         u = row_dot(wu, rmask, x_ptr, NBLK_U, QU, BM, NBU)
-    tl.store(out_ptr + sel * stride_out + rows, _act(g, ACT) * u, mask=rmask)
+    if PERM_OUT:
+        dst = perm_slot(rows)
+    else:
+        dst = rows
+    tl.store(out_ptr + sel * stride_out + dst, _act(g, ACT) * u, mask=rmask)
 
 
 @triton.jit
@@ -244,23 +256,27 @@ def moe_gate_up(
     out: torch.Tensor,
     act: str = "silu",
     *,
+    perm_out: bool = False,
     tile: Tile | None = None,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: float32 [K]; ids: int32/int64 [n_sel] on the device (read by
-    the kernel); out: float32 [n_sel, F] (rows contiguous). act: "silu" | "gelu_tanh". Returns out.
+    the kernel); out: float32 [n_sel, F] (rows contiguous; with perm_out each row in the word kernels'
+    order, F % 256 == 0). act: "silu" | "gelu_tanh". Returns out.
     """
     _check(qtype_gate)
     _check(qtype_up)
     f, k, n_sel = w_gate.shape[1], x.shape[0], ids.shape[0]
+    if perm_out and f % 256:
+        raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     t = tile or tile_for("gate_up", qtype_gate, f, k, n_sel, w_gate.device)
     nb_u = t.nb * GEOMETRY[qtype_gate][0] // GEOMETRY[qtype_up][0] if qtype_up != qtype_gate else t.nb
     wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
     _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
         wg, wu, x, ids, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
-        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u),
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out

@@ -1,0 +1,338 @@
+"""Q4_K matvec kernels for batch-1 decode that read the blocks as 32-bit words (Triton).
+
+The faster twin of qmatvec.py's Q4_K path (benchmarks/NOTES.md section 7): same products, same GGUF bytes,
+but shaped after what the sm_90 code of qmatvec's byte decoders spent its time on (~25 instructions per
+weight, NOTES.md section 3):
+
+- the rows are read as int32 words (16-byte loads), addressed by int32 offsets from one int64 base per
+  program;
+- a program holds R rows as R separate word tiles of one layout (unrolled), so the thread that holds a word
+  position holds it for every row and each x register serves R rows (and 2R for gate + up);
+- x comes permuted (`permute_k4`): inside each 256-weight block, slot 64 k + a holds weight 4 a + k. The x
+  tile of one nibble position over the block's words is then a contiguous run, loaded straight into the
+  words' layout (no gather, no layout conversion);
+- a nibble q becomes the float f = 1 + q / 16 by a shift and one and-or (its bits under the exponent of
+  1.0; no int -> float conversion), and per sub-block
+  sum_i (d sc q_i - dmin m) x_i = 16 d sc sum_i f_i x_i - (16 d sc + dmin m) sum_i x_i:
+  one FMA per weight, the scales once per word and sub-block.
+
+Q4_K block = 36 words: w0 = d | dmin << 16 (f16 bits), w1..w3 = the 12 scale bytes, w4..w35 = qs. qs word
+8c + tt (c < 4, tt < 8), byte k, nibble h holds weight 64c + 32h + 4tt + k (sub-block 2c + h), so after
+`permute_k4` its x sits at slot 64k + 16c + 8h + tt.
+
+- `qmatvec_w`      out[M] = W[M, K] @ x[K] (+ residual[M])
+- `moe_gate_up_w`  out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x), optionally stored permuted (the input
+                   of a word-kernel down product)
+- `moe_down_w`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), h permuted
+
+All take x (or h) permuted, K a multiple of 256, and accumulate in float32 in a fixed order (no atomics:
+bit-identical run to run). No allocation, no host sync: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.torch_ops import permute_k4
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot
+
+Q4_K = 12
+WORD_TYPES: frozenset[int] = frozenset({Q4_K})  # GGML types these kernels read
+BLOCK_WORDS = 36  # a Q4_K block: 144 bytes
+# f = 1 + q/16: mask of mantissa bits 19-22 and the bits of 1.0f, passed as runtime arguments so the and-or
+# compiles to one 3-input LOP3 (as immediates ptxas emits two instructions)
+FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
+
+
+class WTile(NamedTuple):
+    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, software-pipelining stages."""
+
+    rows: int
+    nb: int
+    num_warps: int = 1
+    num_stages: int = 2
+
+
+# Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
+WTILES: dict[tuple[str, int, int], WTile] = {}
+MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256)
+ROWS_PER_PROGRAM = {"mv": 4, "gate_up": 4, "down": 4}
+
+
+def _fit_nb(nb: int, n_blocks: int) -> int:
+    """The largest power of two <= nb dividing n_blocks: K-steps without masks."""
+    fit = 1
+    while fit * 2 <= nb and n_blocks % (fit * 2) == 0:
+        fit *= 2
+    return fit
+
+
+def default_wtile(kind: str, m: int, k: int, device: torch.device) -> WTile:
+    """ROWS_PER_PROGRAM[kind] rows, MAX_NB blocks per step, one warp, 2 stages."""
+    return WTile(ROWS_PER_PROGRAM[kind], MAX_NB, 1, 2)
+
+
+def wtile_for(kind: str, m: int, k: int, device: torch.device, tile: WTile | None = None) -> WTile:
+    """`tile`, else WTILES[(kind, m, k)], else the default; its NB fitted to K (a divisor of K / 256)."""
+    t = tile or WTILES.get((kind, m, k)) or default_wtile(kind, m, k, device)
+    return t._replace(nb=_fit_nb(t.nb, k // 256))
+
+
+def supports(qtype: int, k: int) -> bool:
+    """True when the word kernels take a [*, K] matrix of this type."""
+    return qtype in WORD_TYPES and k % 256 == 0
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _nib(qs, P: tl.constexpr, fq_mask, fq_one):
+    """1 + q / 16 (float32, exact) for the nibble at bit P of every int32 word."""
+    if P <= 19:
+        v = qs << (19 - P)
+    else:
+        v = qs >> (P - 19)  # arithmetic shift: the copied sign bits fall outside fq_mask
+    return ((v & fq_mask) | fq_one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _half(v):
+    """Low 16 bits of int32 `v` as an fp16 bit pattern -> float32."""
+    return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_min(h1, h2, h3, j):
+    """6-bit scale and min of sub-blocks `j` (0..7) from scale words h1-h3 (bytes 0-3, 4-7, 8-11; any shape
+    broadcastable with j) -> two float32 tiles (llama.cpp's get_scale_min_k4)."""
+    sh = (j & 3) * 8
+    a = (h1 >> sh) & 255
+    b = (h2 >> sh) & 255
+    c = (h3 >> sh) & 255
+    first = j < 4
+    sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _x_tiles(x_ptr, kb, NB: tl.constexpr):
+    """The permuted x of blocks kb .. kb+NB-1 as 8 tiles [NB, 4, 8], one per nibble position n = 2k + h
+    (word (c, tt)'s weight at bit 8k + 4h), and the sums of x per sub-block 2c (low) and 2c + 1 (high) [NB, 4]."""
+    blk = kb + tl.arange(0, NB)
+    xo = blk[:, None, None] * 256 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    xs = ()
+    for n in tl.static_range(8):
+        xs = xs + (tl.load(x_ptr + xo + 64 * (n // 2) + 8 * (n % 2)),)
+    sum_lo = tl.sum(xs[0] + xs[2] + xs[4] + xs[6], axis=2)
+    sum_hi = tl.sum(xs[1] + xs[3] + xs[5] + xs[7], axis=2)
+    return xs, sum_lo, sum_hi
+
+
+@triton.jit
+def _row_step(wp, off, ok, kb, xs, sum_lo, sum_hi, scale, acc, accm, fq_mask, fq_one, NB: tl.constexpr):
+    """One row's blocks kb .. kb+NB-1: acc [NB, 4, 8] += 16 d sc sum f x per word, accm [NB, 4] += (16 d sc +
+    dmin m) sum x per sub-block pair; the row's dot product is sum(acc) - sum(accm). `off`: the row's first
+    word from wp (int32), `ok`: the row exists, `scale`: a factor folded into both (a routing weight, or 1)."""
+    blk = kb + tl.arange(0, NB)
+    bo = off + blk * 36  # [NB]
+    c = tl.arange(0, 4)
+    t = c[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8] qs word 8c + tt
+    qs = tl.load(wp + (bo[:, None, None] + 4 + t[None]), mask=ok, other=0)
+    pl = _nib(qs, 0, fq_mask, fq_one) * xs[0]
+    ph = _nib(qs, 4, fq_mask, fq_one) * xs[1]
+    for k in tl.static_range(1, 4):
+        pl += _nib(qs, 8 * k, fq_mask, fq_one) * xs[2 * k]
+        ph += _nib(qs, 8 * k + 4, fq_mask, fq_one) * xs[2 * k + 1]
+    h0 = tl.load(wp + bo, mask=ok, other=0)
+    h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
+    h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
+    h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
+    d = _half(h0) * (16.0 * scale)
+    dmin = _half(h0 >> 16) * scale
+    sc_l, mn_l = _scale_min(h1, h2, h3, 2 * c[None, :])  # [NB, 4]
+    sc_h, mn_h = _scale_min(h1, h2, h3, 2 * c[None, :] + 1)
+    ds_l = d[:, None] * sc_l
+    ds_h = d[:, None] * sc_h
+    acc += ds_l[:, :, None] * pl + ds_h[:, :, None] * ph
+    accm += (ds_l + dmin[:, None] * mn_l) * sum_lo + (ds_h + dmin[:, None] * mn_h) * sum_hi
+    return acc, accm
+
+
+@triton.jit
+def _zeros_rows(R: tl.constexpr, NB: tl.constexpr):
+    accs = ()
+    accms = ()
+    for _r in tl.static_range(R):
+        accs = accs + (tl.zeros([NB, 4, 8], dtype=tl.float32),)
+        accms = accms + (tl.zeros([NB, 4], dtype=tl.float32),)
+    return accs, accms
+
+
+@triton.jit
+def _rows_dot(wp, row0, M, SW, x_ptr, scale, accs, accms, fq_mask, fq_one,
+              N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """Accumulate rows row0 .. row0+R-1 (word offsets r * SW from wp) against x over all K into accs/accms."""
+    for kb in range(0, N_BLOCKS, NB):
+        xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
+        new_accs = ()
+        new_accms = ()
+        for r in tl.static_range(R):
+            a, am = _row_step(wp, r * SW, row0 + r < M, kb, xs, sum_lo, sum_hi, scale, accs[r], accms[r],
+                              fq_mask, fq_one, NB)
+            new_accs = new_accs + (a,)
+            new_accms = new_accms + (am,)
+        accs = new_accs
+        accms = new_accms
+    return accs, accms
+
+
+@triton.jit
+def _total(acc, accm):
+    return tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0) - tl.sum(tl.sum(accm, axis=1), axis=0)
+
+
+@triton.jit
+def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, SW, fq_mask, fq_one,
+                N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
+    """Grid (cdiv(M, R),). w: int32 [M, SW], x: permuted f32 [K], res/out: f32 [M]."""
+    row0 = tl.program_id(0) * R
+    wp = w_ptr + row0.to(tl.int64) * SW
+    accs, accms = _zeros_rows(R, NB)
+    accs, accms = _rows_dot(wp, row0, M, SW, x_ptr, 1.0, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _total(accs[r], accms[r])
+        if HAS_RES:
+            v += tl.load(res_ptr + row, mask=row < M, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < M)
+
+
+@triton.jit
+def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, SW, stride_ge, stride_ue, stride_out,
+                     fq_mask, fq_one, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                     ACT: tl.constexpr, PERM_OUT: tl.constexpr):
+    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, SW], x: permuted f32 [K], ids: [n_sel], out: [n_sel, F]."""
+    sel = tl.program_id(1)
+    row0 = tl.program_id(0) * R
+    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    wg = wg_ptr + eid * stride_ge + row0.to(tl.int64) * SW
+    wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
+    ga, gm = _zeros_rows(R, NB)
+    ua, um = _zeros_rows(R, NB)
+    for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
+        xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
+        nga = ()
+        ngm = ()
+        nua = ()
+        num = ()
+        for r in tl.static_range(R):
+            ok = row0 + r < F
+            a, am = _row_step(wg, r * SW, ok, kb, xs, sum_lo, sum_hi, 1.0, ga[r], gm[r], fq_mask, fq_one, NB)
+            nga = nga + (a,)
+            ngm = ngm + (am,)
+            a, am = _row_step(wu, r * SW, ok, kb, xs, sum_lo, sum_hi, 1.0, ua[r], um[r], fq_mask, fq_one, NB)
+            nua = nua + (a,)
+            num = num + (am,)
+        ga, gm, ua, um = nga, ngm, nua, num
+    for r in tl.static_range(R):
+        row = row0 + r
+        h = _act(_total(ga[r], gm[r]), ACT) * _total(ua[r], um[r])
+        if PERM_OUT:
+            dst = perm_slot(row)
+        else:
+            dst = row
+        tl.store(out_ptr + sel * stride_out + dst, h, mask=row < F)
+
+
+@triton.jit
+def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, SW, stride_e, stride_h, fq_mask, fq_one,
+                  N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """Grid (cdiv(N, R),). w: int32 [E, N, SW], h: permuted f32 [n_sel, F], ids/wts: [n_sel], res/out: [N].
+
+    The routing weight is folded into each expert's scales; experts are summed in order 0 .. n_sel-1.
+    """
+    row0 = tl.program_id(0) * R
+    accs, accms = _zeros_rows(R, NB)
+    for i in range(N_SEL):
+        eid = tl.load(ids_ptr + i).to(tl.int64)
+        wp = w_ptr + eid * stride_e + row0.to(tl.int64) * SW
+        accs, accms = _rows_dot(wp, row0, N, SW, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs, accms,
+                                fq_mask, fq_one, N_BLOCKS, R, NB)
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _total(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < N)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+
+
+def _words(w: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., row_bytes] -> int32 [..., row_bytes / 4] (a free view; row_bytes = 144 * K / 256)."""
+    return w.view(torch.int32)
+
+
+def qmatvec_w(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+              *, tile: WTile | None = None) -> torch.Tensor:
+    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix.
+
+    w: uint8 [M, row_bytes] (rows contiguous); xp: float32 [K], x in `permute_k4` order; out/residual: f32 [M]
+    (out may be residual). Returns out.
+    """
+    m, k = w.shape[0], xp.shape[0]
+    t = wtile_for("mv", m, k, w.device, tile)
+    ww = _words(w)
+    _wmv_kernel[(triton.cdiv(m, t.rows),)](
+        ww, xp, out if residual is None else residual, out, m, ww.stride(0), FQ_MASK, FQ_ONE,
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor,
+                  out: torch.Tensor, act: str = "silu", *, perm_out: bool = False,
+                  tile: WTile | None = None) -> torch.Tensor:
+    """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts, in one launch.
+
+    w_gate/w_up: uint8 [E, F, row_bytes]; xp: f32 [K] in permute_k4 order; ids: int [n_sel] on the device;
+    out: f32 [n_sel, F], each row in natural order, or in permute_k4 order with perm_out (F % 256 == 0).
+    """
+    f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
+    if perm_out and f % 256:
+        raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
+    t = wtile_for("gate_up", f, k, w_gate.device, tile)
+    wg, wu = _words(w_gate), _words(w_up)
+    _wgate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
+        wg, wu, xp, ids, out, f, wg.stride(1), wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K experts, summed in order.
+
+    w_down: uint8 [E, N, row_bytes]; hp: f32 [n_sel, F], rows in permute_k4 order; ids: int [n_sel];
+    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual). Returns out.
+    """
+    n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
+    t = wtile_for("down", n, f, w_down.device, tile)
+    ww = _words(w_down)
+    _wdown_kernel[(triton.cdiv(n, t.rows),)](
+        ww, hp, ids, weights, residual, out, n, ww.stride(1), ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+__all__ = ["WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_gate_up_w", "permute_k4", "qmatvec_w",
+           "supports", "wtile_for"]

@@ -1,0 +1,138 @@
+"""Q4_K word kernels (kernels/triton/wmatvec.py) vs `dequantize(...) @ x` in float64, on fresh random blocks.
+
+Also the permuted activations they read: permute_k4 / unpermute_k4, rms_norm's permuted copy and the byte
+kernel's gate/up writing h permuted. CUDA when available, else Triton's interpreter (set before import).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
+
+from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.torch_ops import permute_k4, unpermute_k4  # noqa: E402
+from moerun.kernels.triton import decode_ops as dk  # noqa: E402
+from moerun.kernels.triton import qmatvec as qk  # noqa: E402
+from moerun.kernels.triton import wmatvec as wk  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+Q4_K = int(T.Q4_K)
+TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(8, 1, 2, 2)]  # default, and odd combinations
+
+
+def test_permutation() -> None:
+    x = torch.arange(512.0)
+    xp = permute_k4(x)
+    assert xp[64 * 3 + 5] == 4 * 5 + 3 and xp[256 + 64] == 257  # slot 64 k + a holds element 4 a + k
+    assert torch.equal(unpermute_k4(xp), x)
+    assert torch.equal(permute_k4(x[None].expand(3, 512)), xp[None].expand(3, 512))
+
+
+def test_supports() -> None:
+    assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q6_K), 2048)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
+def test_qmatvec_w(m, n_sb, res, tile, device, rng) -> None:
+    gen, seed = rng
+    k = 256 * n_sb
+    raw, dense = quant_weights(Q4_K, (m,), k, gen, device)
+    x = vec(gen, k)
+    ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
+    out = torch.full((m,), float("nan"), device=device)
+    residual = None
+    if res:  # out aliases residual
+        r = vec(gen, m)
+        out.copy_(r.to(device))
+        residual = out
+        ref, bound = ref + r.double(), bound + r.double().abs()
+    got = wk.qmatvec_w(raw, permute_k4(x).to(device), out, residual, tile=tile)
+    assert got is out
+    check_bound(out, ref, bound, seed, f"qmatvec_w M={m} K={k} tile={tile}")
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("perm_out", [False, True], ids=["natural", "perm_out"])
+def test_moe_gate_up_w(perm_out, tile, device, rng) -> None:
+    gen, seed = rng
+    e, f, k = 5, 256 if perm_out else 37, 512
+    wg, dg = quant_weights(Q4_K, (e, f), k, gen, device)
+    wu, du = quant_weights(Q4_K, (e, f), k, gen, device)
+    x = vec(gen, k)
+    xd = x.double()
+    for ids_list, act, dtype in [([4, 1, 4], "silu", torch.int64), ([2], "gelu_tanh", torch.int32)]:
+        ids = torch.tensor(ids_list, dtype=dtype)
+        g, u = dg[ids] @ xd, du[ids] @ xd  # [n_sel, F]
+        a = ACTIVATIONS[act](g)
+        ref = a * u
+        bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
+        out = torch.full((len(ids_list), f), float("nan"), device=device)
+        wk.moe_gate_up_w(wg, wu, permute_k4(x).to(device), ids.to(device), out, act, perm_out=perm_out, tile=tile)
+        got = unpermute_k4(out.cpu()) if perm_out else out
+        check_bound(got, ref, bound, seed, f"gate_up_w ids={ids_list} {act} perm_out={perm_out} tile={tile}")
+
+
+def test_moe_gate_up_w_perm_out_needs_whole_blocks(device) -> None:
+    w = torch.zeros(2, 37, 144, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="F % 256"):
+        wk.moe_gate_up_w(w, w, torch.zeros(256, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                         torch.zeros(1, 37, device=device), perm_out=True)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_moe_down_w(tile, device, rng) -> None:
+    gen, seed = rng
+    e, n, f = 5, 37, 3 * 256
+    w, dw = quant_weights(Q4_K, (e, n), f, gen, device)
+    for ids_list, dtype in [([3, 0, 3], torch.int32), ([1], torch.int64)]:
+        n_sel = len(ids_list)
+        ids = torch.tensor(ids_list, dtype=dtype)
+        h = vec(gen, n_sel, f)
+        wts = torch.from_numpy(gen.uniform(0.05, 1.0, n_sel).astype(np.float32))
+        r = vec(gen, n)
+        parts = torch.einsum("snf,sf->sn", dw[ids], h.double())
+        bounds = torch.einsum("snf,sf->sn", dw[ids].abs(), h.double().abs())
+        ref = r.double() + (wts.double()[:, None] * parts).sum(0)
+        bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
+        out = r.to(device)  # out aliases residual
+        wk.moe_down_w(w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out, tile=tile)
+        check_bound(out, ref, bound, seed, f"down_w ids={ids_list} tile={tile}")
+
+
+def test_deterministic(device, rng) -> None:
+    gen, _ = rng
+    raw, _ = quant_weights(Q4_K, (130,), 512, gen, device)
+    xp = permute_k4(vec(gen, 512)).to(device)
+    assert torch.equal(wk.qmatvec_w(raw, xp, torch.empty(130, device=device)),
+                       wk.qmatvec_w(raw, xp, torch.empty(130, device=device)))
+
+
+def test_rms_norm_perm(device, rng) -> None:
+    gen, _ = rng
+    x, w = vec(gen, 2, 512).to(device), vec(gen, 512).to(device)
+    out = torch.full((2, 512), float("nan"), device=device)
+    xp = torch.full((2, 512), float("nan"), device=device)
+    dk.rms_norm(x, w, 1e-6, out, xp)
+    assert torch.equal(xp.cpu(), permute_k4(out.cpu()))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_byte_gate_up_perm_out(qtype, device, rng) -> None:
+    """qmatvec's gate/up writes h permuted for a word-kernel down product of another type's gate/up."""
+    gen, _ = rng
+    wg, _ = quant_weights(int(qtype), (3, 256), 256, gen, device)
+    wu, _ = quant_weights(int(qtype), (3, 256), 256, gen, device)
+    x, ids = vec(gen, 256).to(device), torch.tensor([2, 0], dtype=torch.int32, device=device)
+    plain = qk.moe_gate_up(wg, wu, int(qtype), int(qtype), x, ids, torch.empty(2, 256, device=device))
+    perm = qk.moe_gate_up(wg, wu, int(qtype), int(qtype), x, ids, torch.empty(2, 256, device=device), perm_out=True)
+    assert torch.equal(perm.cpu(), permute_k4(plain.cpu()))
