@@ -27,7 +27,9 @@ import triton
 from _timing import capture_graph, event_ms
 from gguf import GGMLQuantizationType as T
 
+from moerun.kernels.torch_ops import permute_k4
 from moerun.kernels.triton import qmatvec as Q
+from moerun.kernels.triton import wmatvec as W
 from moerun.quant import random_blocks
 
 HIDDEN, FFN, N_EXPERTS, N_SEL, VOCAB = 2048, 1024, 64, 8, 50304
@@ -107,6 +109,17 @@ class Case:
         return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile)
                 for w, _, i in self.launches]
 
+    def wfns(self, tile: W.WTile | None) -> list[Callable[[], object]]:
+        """The word kernels (Q4_K) on the same launches; x permuted once outside the timed region."""
+        xp = permute_k4(self.x)
+        if self.kind == "mv":
+            return [lambda w=w: W.qmatvec_w(w, xp, self.out, self.res, tile=tile) for w in self.ws]
+        if self.kind == "gate_up":
+            return [lambda w=w, w2=w2, i=i: W.moe_gate_up_w(w, w2, xp, i, self.out, "silu", perm_out=True, tile=tile)
+                    for w, w2, i in self.launches]
+        return [lambda w=w, i=i: W.moe_down_w(w, xp, i, self.wts, self.res, self.out, tile=tile)
+                for w, _, i in self.launches]
+
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
         """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
         n_mat = {"mv": 1, "gate_up": 2 * N_SEL, "down": N_SEL}[self.kind]
@@ -148,6 +161,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="mv,gate_up,down,out", help="mv (2048x2048), gate_up, down, out (vocab)")
     ap.add_argument("--sweep", action="store_true", help="try a grid of tiles per case")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--wtiles", default="default,4x4x1x2,4x2x1x2,8x2x1x2,2x4x1x2,4x4x2x2,8x4x1x2",
+                    help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -187,6 +202,12 @@ def main() -> None:
                     bt, btile = results[0]
                     row["best_tile"], row["best_us"], row["best_GBps"] = list(btile), bt * 1e6, case.bytes / bt / 1e9
                     best_tiles[(case.kind, qt, m, k)] = btile
+            for spec in [w for w in args.wtiles.split(",") if w] if qt in W.WORD_TYPES else []:
+                wt = None if spec == "default" else W.WTile(*map(int, spec.split("x")))
+                tw = graph_time(case.wfns(wt))
+                row.setdefault("words", {})[spec] = tw * 1e6
+                print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
+                      flush=True)
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
                 if "best_tile" in row else ""

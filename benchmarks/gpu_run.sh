@@ -5,7 +5,8 @@
 #   olmoe:TYPE (synthesize the full-size OLMoE file, profile and bench reference vs fast decode),
 #   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B),
 #   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests),
-#   qgemmtests (GEMM kernel tests only).
+#   qgemmtests (GEMM kernel tests only), words:TYPE (word-kernel tests, micro-benchmark, profile and tg128 of
+#   OLMoE with the word kernels vs the byte kernels, fast-decode tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
@@ -50,6 +51,21 @@ for stage in "$@"; do
         2>&1 | grep -v "loading to" | tee -a "$LOG"
       bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n ${PREFILL_TG:-128} -r 5
       rm -f "$f" ;;
+    words:*)
+      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
+      timeout 300 python3 -m pytest -q -x tests/kernels/test_wmatvec.py tests/kernels/test_qmatvec.py 2>&1 | tail -2 \
+        | tee -a "$LOG"
+      timeout 300 python3 benchmarks/bench_qmatvec.py --types q4_k ${WTILES:+--wtiles "$WTILES"} 2>&1 | tee -a "$LOG"
+      timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
+      for ops in triton triton-bytes; do
+        timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager --ops $ops 2>&1 | grep -v "loading to" \
+          | head -16 | tee -a "$LOG"
+      done
+      bench "$f" "olmoe-1b-7b-$t-words" -p 0 -n 128 -r 5 -d 0,4096 --ops triton
+      bench "$f" "olmoe-1b-7b-$t-bytes" -p 0 -n 128 -r 5 --ops triton-bytes
+      rm -f "$f"
+      MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/engine/test_fast_decode.py 2>&1 | tail -3 \
+        | tee -a "$LOG" ;;
     qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"

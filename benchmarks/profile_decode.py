@@ -27,9 +27,10 @@ def main() -> None:
     ap.add_argument("--decode", choices=list(MODES), default="reference")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--ops", default=None, help="triton (default) | triton-bytes | torch")
     args = ap.parse_args()
 
-    eng = Engine(args.model, n_ctx=512, **MODES[args.decode])
+    eng = Engine(args.model, n_ctx=512, ops=args.ops, **MODES[args.decode])
     tok = eng.prefill(list(range(1, 17)))
     for _ in range(4):
         tok = eng.decode(tok)
@@ -50,7 +51,8 @@ def main() -> None:
             per[ev.name][1] += 1
     total = sum(v[0] for v in per.values())
     n = args.steps
-    print(f"\n{args.decode}: {wall * 1e3:.3f} ms/step wall, {total / n / 1e3:.3f} ms/step GPU busy, "
+    print(f"\n{args.decode} ({args.ops or 'default'} ops): {wall * 1e3:.3f} ms/step wall, "
+          f"{total / n / 1e3:.3f} ms/step GPU busy, "
           f"{sum(v[1] for v in per.values()) / n:.0f} kernels/step")
     print("| kernel | us/step | calls/step | share |\n|---|---:|---:|---:|")
     for name, (us, calls) in sorted(per.items(), key=lambda kv: -kv[1][0])[: args.top]:

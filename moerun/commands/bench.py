@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
                         "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
                         "on CUDA, reference on CPU")
+    p.add_argument("--ops", choices=["triton", "triton-bytes", "torch"], default=None,
+                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the word kernels), "
+                        "triton-bytes (every type on the byte-decoding matvecs), torch (plain-torch twins)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     need = max(t.depth + t.n for t in tests)
     prefill = {} if args.prefill == "auto" else {"prefill": args.prefill}
     engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need, prefill_dtype=args.prefill_dtype,
-                    **prefill, **DECODE_PATHS[args.decode])
+                    ops=args.ops, **prefill, **DECODE_PATHS[args.decode])
     try:
         report = bench.bench(engine, tests, reps=args.repetitions, warmup=args.warmup, seed=args.seed,
                              bandwidth_bytes=int(args.bandwidth_gib * bench.GiB))

@@ -39,8 +39,9 @@ class TorchOps:
 
     Permuted activations (`permute_k4`): the fast step asks `perm(qtype, k)` whether a product wants its input
     permuted; where it does, it passes the permuted copy too (`x_perm`, `rms_norm(out_perm=)`) and has
-    gate/up write h permuted for down (`perm_out` / `h_perm`). TorchOps never asks for them, but takes
-    them all, so that the step is one program whichever ops run it.
+    gate/up write h permuted for down (`perm_out` / `h_perm`). TorchOps asks for none (`perm` is False) but
+    takes them all, reading a given x_perm instead of x, so that a test can run the step's permuted wiring
+    on these twins (tests/engine/test_fast_decode.py).
     """
 
     name = "torch"
@@ -53,7 +54,10 @@ class TorchOps:
     @staticmethod
     def qmatvec(w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
-        """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]. x_perm: ignored."""
+        """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]. x_perm: permute_k4(x),
+        read instead of x when given."""
+        if x_perm is not None:
+            x = unpermute_k4(x_perm)
         y = _deq(w, qtype, x.shape[-1]) @ x
         out.copy_(y if residual is None else y + residual)
         return out
@@ -63,7 +67,9 @@ class TorchOps:
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool = False) -> torch.Tensor:
         """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] device.
-        perm_out: rows of out in permute_k4 order."""
+        x_perm: permute_k4(x), read instead of x when given; perm_out: rows of out in permute_k4 order."""
+        if x_perm is not None:
+            x = unpermute_k4(x_perm)
         g = _deq(w_gate.index_select(0, ids.long()), qtype_gate, x.shape[-1]) @ x  # [K, F]
         u = _deq(w_up.index_select(0, ids.long()), qtype_up, x.shape[-1]) @ x  # [K, F]
         h = ref.ACTIVATIONS[act](g) * u
@@ -72,7 +78,8 @@ class TorchOps:
 
     @staticmethod
     def moe_down(w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, h_perm: bool = False) -> torch.Tensor:
+                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
+                 h_perm: bool = False) -> torch.Tensor:
         """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]
         (in permute_k4 order with h_perm)."""
         if h_perm:

@@ -62,7 +62,8 @@ class TritonOps:
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, h_perm: bool = False) -> torch.Tensor:
+                 weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
+                 h_perm: bool = False) -> torch.Tensor:
         if h_perm:
             if not self.perm(qtype, h.shape[-1]):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")

@@ -14,9 +14,19 @@ from support.tiny_files import rel_err, tiny_gguf, tiny_tokens
 from support.tiny_models import TINY
 
 from moerun.engine.engine import Engine
+from moerun.kernels.torch_ops import TorchOps
+
+
+class PermutingTorchOps(TorchOps):
+    """The torch twins, asking for permuted activations wherever TritonOps' word kernels could (K % 256 == 0,
+    any type): runs the step's permuted wiring (rms_norm copies, x_perm, h written and read permuted) on the CPU."""
+
+    @staticmethod
+    def perm(qtype: int, k: int) -> bool:
+        return k % 256 == 0
 
 N_STEPS = 24
-OPS = ["torch"] + (["triton"] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -48,3 +58,15 @@ def test_generate_same_tokens_fast_and_reference(model_file) -> None:
     ref = Engine(path, fast=False, **kw).generate_greedy(tokens[:5], 12)
     fast = Engine(path, fast=True, ops="torch", **kw).generate_greedy(tokens[:5], 12)
     assert fast == ref
+
+
+def test_permuted_wiring_matches_reference(model_file) -> None:
+    path, tokens = model_file
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    ref = Engine(path, fast=False, **kw).forward(tokens[:6])
+    eng = Engine(path, fast=True, ops="torch", graph=False, **kw)
+    eng.fast.ops = PermutingTorchOps()
+    for i, tok in enumerate(tokens[:6]):
+        eng.decode(tok)
+        err = rel_err(eng.fast.logits, ref[i])
+        assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"

@@ -61,16 +61,18 @@ def test_qmatvec_w(m, n_sb, res, tile, device, rng) -> None:
     check_bound(out, ref, bound, seed, f"qmatvec_w M={m} K={k} tile={tile}")
 
 
-@pytest.mark.parametrize("tile", TILES, ids=str)
-@pytest.mark.parametrize("perm_out", [False, True], ids=["natural", "perm_out"])
+@pytest.mark.parametrize(
+    "perm_out,tile", [(False, t) for t in TILES] + [(True, None), (True, wk.WTile(8, 1))], ids=str
+)
 def test_moe_gate_up_w(perm_out, tile, device, rng) -> None:
     gen, seed = rng
-    e, f, k = 5, 256 if perm_out else 37, 512
+    e, f, k = (5, 256, 256) if perm_out else (5, 37, 512)  # perm_out: whole blocks of rows (few, interpreted)
     wg, dg = quant_weights(Q4_K, (e, f), k, gen, device)
     wu, du = quant_weights(Q4_K, (e, f), k, gen, device)
     x = vec(gen, k)
     xd = x.double()
-    for ids_list, act, dtype in [([4, 1, 4], "silu", torch.int64), ([2], "gelu_tanh", torch.int32)]:
+    cases = [([4, 1, 4], "silu", torch.int64), ([2], "gelu_tanh", torch.int32)]
+    for ids_list, act, dtype in cases[1:] if perm_out else cases:
         ids = torch.tensor(ids_list, dtype=dtype)
         g, u = dg[ids] @ xd, du[ids] @ xd  # [n_sel, F]
         a = ACTIVATIONS[act](g)
