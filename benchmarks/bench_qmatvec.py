@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="mv,gate_up,down,out", help="mv (2048x2048), gate_up, down, out (vocab)")
     ap.add_argument("--sweep", action="store_true", help="try a grid of tiles per case")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--wtiles", default="default,4x4x1x2,4x2x1x2,8x2x1x2,2x4x1x2,4x4x2x2,8x4x1x2",
+    ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -175,9 +175,11 @@ def _zeros_rows(R: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(wp, row0, M, SW, x_ptr, scale, accs, accms, fq_mask, fq_one,
+def _rows_dot(wp, row0, M, x_ptr, scale, accs, accms, fq_mask, fq_one,
               N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
-    """Accumulate rows row0 .. row0+R-1 (word offsets r * SW from wp) against x over all K into accs/accms."""
+    """Accumulate rows row0 .. row0+R-1 (contiguous rows of 36 N_BLOCKS words from wp) against x over all K
+    into accs/accms."""
+    SW: tl.constexpr = 36 * N_BLOCKS
     for kb in range(0, N_BLOCKS, NB):
         xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
         new_accs = ()
@@ -198,13 +200,14 @@ def _total(acc, accm):
 
 
 @triton.jit
-def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, SW, fq_mask, fq_one,
+def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, fq_mask, fq_one,
                 N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
-    """Grid (cdiv(M, R),). w: int32 [M, SW], x: permuted f32 [K], res/out: f32 [M]."""
+    """Grid (cdiv(M, R),). w: int32 [M, 36 N_BLOCKS], x: permuted f32 [K], res/out: f32 [M]."""
+    SW: tl.constexpr = 36 * N_BLOCKS  # words per row: a compile-time constant, so row starts are 16-byte aligned
     row0 = tl.program_id(0) * R
     wp = w_ptr + row0.to(tl.int64) * SW
     accs, accms = _zeros_rows(R, NB)
-    accs, accms = _rows_dot(wp, row0, M, SW, x_ptr, 1.0, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
+    accs, accms = _rows_dot(wp, row0, M, x_ptr, 1.0, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _total(accs[r], accms[r])
@@ -214,10 +217,12 @@ def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, SW, fq_mask, fq_one,
 
 
 @triton.jit
-def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, SW, stride_ge, stride_ue, stride_out,
+def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_ue, stride_out,
                      fq_mask, fq_one, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                      ACT: tl.constexpr, PERM_OUT: tl.constexpr):
-    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, SW], x: permuted f32 [K], ids: [n_sel], out: [n_sel, F]."""
+    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, 36 N_BLOCKS], x: permuted f32 [K], ids: [n_sel],
+    out: [n_sel, F]."""
+    SW: tl.constexpr = 36 * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
     eid = tl.load(ids_ptr + sel).to(tl.int64)
@@ -251,18 +256,20 @@ def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, SW, stride_ge, 
 
 
 @triton.jit
-def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, SW, stride_e, stride_h, fq_mask, fq_one,
+def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h, fq_mask, fq_one,
                   N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
-    """Grid (cdiv(N, R),). w: int32 [E, N, SW], h: permuted f32 [n_sel, F], ids/wts: [n_sel], res/out: [N].
+    """Grid (cdiv(N, R),). w: int32 [E, N, 36 N_BLOCKS], h: permuted f32 [n_sel, F], ids/wts: [n_sel],
+    res/out: [N].
 
     The routing weight is folded into each expert's scales; experts are summed in order 0 .. n_sel-1.
     """
+    SW: tl.constexpr = 36 * N_BLOCKS
     row0 = tl.program_id(0) * R
     accs, accms = _zeros_rows(R, NB)
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
         wp = w_ptr + eid * stride_e + row0.to(tl.int64) * SW
-        accs, accms = _rows_dot(wp, row0, N, SW, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs, accms,
+        accs, accms = _rows_dot(wp, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs, accms,
                                 fq_mask, fq_one, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
@@ -273,8 +280,11 @@ def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, SW, strid
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
-def _words(w: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., row_bytes] -> int32 [..., row_bytes / 4] (a free view; row_bytes = 144 * K / 256)."""
+def _words(w: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [..., row_bytes] with contiguous rows -> int32 [..., row_bytes / 4] (a free view)."""
+    if w.shape[-1] != 144 * (k // 256) or w.stride(-1) != 1 or (w.dim() > 1 and w.stride(-2) != w.shape[-1]):
+        raise ValueError(f"Q4_K rows must be contiguous {144 * (k // 256)}-byte rows for K = {k}, "
+                         f"got shape {tuple(w.shape)} strides {w.stride()}")
     return w.view(torch.int32)
 
 
@@ -287,9 +297,9 @@ def qmatvec_w(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: to
     """
     m, k = w.shape[0], xp.shape[0]
     t = wtile_for("mv", m, k, w.device, tile)
-    ww = _words(w)
+    ww = _words(w, k)
     _wmv_kernel[(triton.cdiv(m, t.rows),)](
-        ww, xp, out if residual is None else residual, out, m, ww.stride(0), FQ_MASK, FQ_ONE,
+        ww, xp, out if residual is None else residual, out, m, FQ_MASK, FQ_ONE,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -308,9 +318,9 @@ def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, id
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     t = wtile_for("gate_up", f, k, w_gate.device, tile)
-    wg, wu = _words(w_gate), _words(w_up)
+    wg, wu = _words(w_gate, k), _words(w_up, k)
     _wgate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        wg, wu, xp, ids, out, f, wg.stride(1), wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
+        wg, wu, xp, ids, out, f, wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -326,9 +336,9 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
     """
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     t = wtile_for("down", n, f, w_down.device, tile)
-    ww = _words(w_down)
+    ww = _words(w_down, f)
     _wdown_kernel[(triton.cdiv(n, t.rows),)](
-        ww, hp, ids, weights, residual, out, n, ww.stride(1), ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
+        ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
         N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
