@@ -68,6 +68,7 @@ class FastDecoder:
         self.v = torch.empty(Hkv * Dv, **f32)
         self.q_rot = torch.empty(H, D, **f32)
         self.attn = torch.empty(H, Dv, **f32)
+        self.attn_p = torch.empty(H * Dv, **f32)  # attn in the word kernels' order, where attn_output reads it
         self.router_logits = torch.empty(max(cfg.n_expert, 1), **f32)
         self.ids = torch.zeros(K, device=dev, dtype=torch.int32)       # chosen experts
         self.route_w = torch.ones(K, **f32)                             # their weights
@@ -132,14 +133,15 @@ class FastDecoder:
             rope_style=spec.rope_style, rope_dim=cfg.rope_dim,
             base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
             freq_factors=self.rope_freqs)
-        ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.kv_len, cfg.attn_scale,
-                             cfg.sliding_window if swa else 0, self.attn)
         wo = L["attn_output"]
+        ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0]) else None
+        ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.kv_len, cfg.attn_scale,
+                             cfg.sliding_window if swa else 0, self.attn, out_perm=ap)
         if spec.post_norms:
-            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.y)
+            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.y, x_perm=ap)
             self._add_block_output(L["post_attention_norm"])
         else:
-            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x)
+            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x, x_perm=ap)
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         xp = self._perm(g, u)

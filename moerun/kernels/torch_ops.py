@@ -137,6 +137,10 @@ class TorchOps:
 
     @staticmethod
     def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
-                         scale: float, window: int, out: torch.Tensor) -> None:
-        """One query q [H, D] at position L-1 over cache rows 0..L-1 (kv_len_t [1] = L) -> out [H, Dv] f32."""
+                         scale: float, window: int, out: torch.Tensor,
+                         out_perm: torch.Tensor | None = None) -> None:
+        """One query q [H, D] at position L-1 over cache rows 0..L-1 (kv_len_t [1] = L) -> out [H, Dv] f32
+        (and out flattened in permute_k4 order into out_perm [H * Dv])."""
         out.copy_(ref.attention(q[None], k_cache, v_cache, kv_len_t - 1, scale, window)[0])
+        if out_perm is not None:
+            out_perm.copy_(permute_k4(out.reshape(-1)))

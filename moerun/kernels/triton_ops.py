@@ -100,7 +100,8 @@ class TritonOps:
                               qk_norm=qk_norm, rope_style=rope_style)
 
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor) -> None:
+                         kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
+                         out_perm: torch.Tensor | None = None) -> None:
         H, Dv = out.shape
         key = (k_cache.shape[0], H, Dv, q.device)
         scratch = self._attn_scratch.get(key)
@@ -108,7 +109,7 @@ class TritonOps:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
             splits = dk.attention_splits(k_cache.shape[0], H, sms)
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, q.device)
-        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch)
+        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, out_perm=out_perm)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor) -> None:
         key = (logits.shape[-1], logits.device)

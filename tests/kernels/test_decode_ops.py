@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from support.kernel_checks import DEV, RTOL, close, nan, randn  # noqa: E402
 
 from moerun.kernels import reference as ref  # noqa: E402
+from moerun.kernels.torch_ops import permute_k4  # noqa: E402
 from moerun.kernels.triton import decode_ops as ops  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -107,6 +108,18 @@ def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: in
     kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
     ops.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16)
     close(out, want)
+
+
+def test_attention_decode_perm_out(gen: torch.Generator) -> None:
+    """The reduce step also writes the output flattened in the word kernels' order (for attn_output)."""
+    h, hkv, d, n_ctx, kv_len = 4, 2, 64, 32, 9
+    q = randn(gen, h, d)
+    k_cache, v_cache = randn(gen, n_ctx, hkv, d), randn(gen, n_ctx, hkv, d)
+    scratch = ops.attention_scratch(h, d, 2, DEV)
+    out, out_p = nan(h, d), nan(h * d)
+    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
+    ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, out, scratch, block_n=16, out_perm=out_p)
+    assert torch.equal(out_p.cpu(), permute_k4(out.reshape(-1).cpu()))
 
 
 def test_attention_splits_policy() -> None:

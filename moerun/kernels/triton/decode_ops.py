@@ -285,11 +285,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
 
 
 @triton.jit
-def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PERM: tl.constexpr):
     """Program h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
 
-    m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32.
+    m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32 (with PERM also perm: out flattened, in the
+    word kernels' order `perm_slot`).
     """
     h = tl.program_id(0)
     base = h * N_SPLITS
@@ -311,19 +312,22 @@ def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, DV: tl.constexpr, N_SPLI
         acc += w[:, None] * a
     out = tl.sum(acc, 0) / tl.sum(l_tot, 0)
     tl.store(out_ptr + h * DV + dv, out, mask=dv < DV)
+    if PERM:
+        tl.store(perm_ptr + perm_slot(h * DV + dv), out, mask=dv < DV)
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                      scale: float, window: int, out: torch.Tensor,
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
-                     split: bool = True, reduce: bool = True) -> torch.Tensor:
+                     split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
     reads kv head h // (H/Hkv)); kv_len_t: [1] int device tensor L (= pos + 1, 1 <= L <= n_ctx);
     scratch: attention_scratch(H, Dv, S) with S from attention_splits; out: [H, Dv] f32. Two launches:
-    H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). Returns out.
+    H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). out_perm
+    ([H * Dv], H * Dv % 256 == 0): also receives out flattened in wmatvec.permute_k4 order. Returns out.
     With GQA the G query heads of a kv head are adjacent programs reading the same K/V tiles (mostly L2 hits).
     """
     h, d = q.shape
@@ -339,8 +343,11 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
             num_warps=num_warps)
     if reduce:
-        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, DV=dv, N_SPLITS=n_splits,
-                                  BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv), num_warps=4)
+        if out_perm is not None and (h * dv) % 256:
+            raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
+        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, out if out_perm is None else out_perm, DV=dv,
+                                  N_SPLITS=n_splits, BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv),
+                                  PERM=out_perm is not None, num_warps=4)
     return out
 
 
