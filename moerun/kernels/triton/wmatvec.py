@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.torch_ops import permute_k4
-from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
 Q4_K = 12
 WORD_TYPES: frozenset[int] = frozenset({Q4_K})  # GGML types these kernels read
@@ -59,8 +59,9 @@ class WTile(NamedTuple):
 
 # Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
 WTILES: dict[tuple[str, int, int], WTile] = {}
-MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256)
-ROWS_PER_PROGRAM = {"mv": 4, "gate_up": 4, "down": 4}
+MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate/up (static SASS, NOTES 7)
+MAX_ROWS = 4  # rows per program
+PROGRAMS_PER_SM = 8  # one-warp programs to keep per SM at least, before rows per program grow
 
 
 def _fit_nb(nb: int, n_blocks: int) -> int:
@@ -71,14 +72,18 @@ def _fit_nb(nb: int, n_blocks: int) -> int:
     return fit
 
 
-def default_wtile(kind: str, m: int, k: int, device: torch.device) -> WTile:
-    """ROWS_PER_PROGRAM[kind] rows, MAX_NB blocks per step, one warp, 2 stages."""
-    return WTile(ROWS_PER_PROGRAM[kind], MAX_NB, 1, 2)
+def default_wtile(kind: str, m: int, k: int, n_rows: int, device: torch.device) -> WTile:
+    """One warp, MAX_NB blocks per step; rows per program: the largest power of two <= MAX_ROWS that still
+    leaves PROGRAMS_PER_SM programs per SM (n_rows: rows of all the program groups, e.g. 8 experts x F)."""
+    r = 1
+    while r * 2 <= MAX_ROWS and n_rows // (r * 2) >= PROGRAMS_PER_SM * sm_count(device):
+        r *= 2
+    return WTile(r, MAX_NB, 1, 2)
 
 
-def wtile_for(kind: str, m: int, k: int, device: torch.device, tile: WTile | None = None) -> WTile:
+def wtile_for(kind: str, m: int, k: int, n_rows: int, device: torch.device, tile: WTile | None = None) -> WTile:
     """`tile`, else WTILES[(kind, m, k)], else the default; its NB fitted to K (a divisor of K / 256)."""
-    t = tile or WTILES.get((kind, m, k)) or default_wtile(kind, m, k, device)
+    t = tile or WTILES.get((kind, m, k)) or default_wtile(kind, m, k, n_rows, device)
     return t._replace(nb=_fit_nb(t.nb, k // 256))
 
 
@@ -296,7 +301,7 @@ def qmatvec_w(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: to
     (out may be residual). Returns out.
     """
     m, k = w.shape[0], xp.shape[0]
-    t = wtile_for("mv", m, k, w.device, tile)
+    t = wtile_for("mv", m, k, m, w.device, tile)
     ww = _words(w, k)
     _wmv_kernel[(triton.cdiv(m, t.rows),)](
         ww, xp, out if residual is None else residual, out, m, FQ_MASK, FQ_ONE,
@@ -317,7 +322,7 @@ def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, id
     f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
-    t = wtile_for("gate_up", f, k, w_gate.device, tile)
+    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile)
     wg, wu = _words(w_gate, k), _words(w_up, k)
     _wgate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         wg, wu, xp, ids, out, f, wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
@@ -335,7 +340,7 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
     weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual). Returns out.
     """
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
-    t = wtile_for("down", n, f, w_down.device, tile)
+    t = wtile_for("down", n, f, n, w_down.device, tile)
     ww = _words(w_down, f)
     _wdown_kernel[(triton.cdiv(n, t.rows),)](
         ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
