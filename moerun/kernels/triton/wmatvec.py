@@ -60,8 +60,12 @@ class WTile(NamedTuple):
 # Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
 WTILES: dict[tuple[str, int, int], WTile] = {}
 MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate/up (static SASS, NOTES 7)
-MAX_ROWS = 4  # rows per program
-PROGRAMS_PER_SM = 8  # one-warp programs to keep per SM at least, before rows per program grow
+# Rows per program, at most (gate/up holds two matrices' rows) ... as long as PROGRAMS_PER_SM one-warp programs
+# per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes, NOTES.md 7): 2 rows best for the
+# 2048-row attention matrices (4.35 us vs 4.81 at 1), for down (11.3 vs 13.7) and for gate/up (13.2 vs
+# 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
+MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4}
+PROGRAMS_PER_SM = 4
 
 
 def _fit_nb(nb: int, n_blocks: int) -> int:
@@ -73,10 +77,10 @@ def _fit_nb(nb: int, n_blocks: int) -> int:
 
 
 def default_wtile(kind: str, m: int, k: int, n_rows: int, device: torch.device) -> WTile:
-    """One warp, MAX_NB blocks per step; rows per program: the largest power of two <= MAX_ROWS that still
+    """One warp, MAX_NB blocks per step; rows per program: the largest power of two <= MAX_ROWS[kind] that still
     leaves PROGRAMS_PER_SM programs per SM (n_rows: rows of all the program groups, e.g. 8 experts x F)."""
     r = 1
-    while r * 2 <= MAX_ROWS and n_rows // (r * 2) >= PROGRAMS_PER_SM * sm_count(device):
+    while r * 2 <= MAX_ROWS[kind] and n_rows // (r * 2) >= PROGRAMS_PER_SM * sm_count(device):
         r *= 2
     return WTile(r, MAX_NB, 1, 2)
 
