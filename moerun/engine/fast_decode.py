@@ -21,7 +21,6 @@ from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
 from moerun.quant.qtensor import QTensor
-from moerun.quant.registry import dequantize
 
 
 @dataclass
@@ -104,11 +103,7 @@ class FastDecoder:
     # --- the step -------------------------------------------------------------------------------
 
     def _embed(self) -> None:
-        row = self.embd.raw.index_select(0, self.tok)  # [1, row_bytes]
-        e = dequantize(row, int(self.embd.qtype.ggml), (1, self.cfg.n_embd))[0]
-        if self.cfg.embed_scale != 1.0:
-            e = e * self.cfg.embed_scale
-        self.x.copy_(e)
+        self.ops.embed(self.embd.raw, int(self.embd.qtype.ggml), self.tok, self.x.view(1, -1), self.cfg.embed_scale)
 
     def _add_block_output(self, post_norm: torch.Tensor) -> None:
         """x += post_norm(y) (architectures with post-norms)."""

@@ -89,6 +89,13 @@ class TorchOps:
         return out
 
     @staticmethod
+    def embed(w: torch.Tensor, qtype: int, ids: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """out [n, N] = scale * dequantize(W[ids]); w: raw rows [V, row_bytes], ids: [n] device."""
+        e = _deq(w.index_select(0, ids.long()), qtype, out.shape[-1])
+        out.copy_(e * scale if scale != 1.0 else e)
+        return out
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
                  out_perm: torch.Tensor | None = None) -> torch.Tensor:
         """out [N] = x * rsqrt(mean(x^2) + eps) * w (and into out_perm in permute_k4 order)."""

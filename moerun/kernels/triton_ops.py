@@ -11,6 +11,7 @@ import torch
 
 from moerun.kernels.torch_ops import TorchOps
 from moerun.kernels.triton import decode_ops as dk
+from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import qmatvec as qk
 from moerun.kernels.triton import wmatvec as wk
 
@@ -71,6 +72,12 @@ class TritonOps:
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
         return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
+
+    @staticmethod
+    def embed(w: torch.Tensor, qtype: int, ids: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if qtype not in qk.SUPPORTED:
+            return TorchOps.embed(w, qtype, ids, out, scale)
+        return ek.embed(w, qtype, ids, out, scale)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
