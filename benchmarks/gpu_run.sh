@@ -6,7 +6,7 @@
 #   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B),
 #   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests),
 #   qgemmtests (GEMM kernel tests only), words:TYPE (word-kernel tests, micro-benchmark, profile and tg128 of
-#   OLMoE with the word kernels vs the byte kernels, fast-decode tests).
+#   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
@@ -66,6 +66,9 @@ for stage in "$@"; do
       rm -f "$f"
       MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/engine/test_fast_decode.py 2>&1 | tail -3 \
         | tee -a "$LOG" ;;
+    decodetests)
+      MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
+        tests/kernels/test_decode_ops.py tests/engine/test_fast_decode.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"

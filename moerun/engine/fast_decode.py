@@ -38,6 +38,30 @@ def _mat(w: Any, experts: bool = False) -> _Mat:
     return _Mat(raw, int(w.qtype.ggml), w.name)
 
 
+def _fuse_runs(mats: list[QTensor]) -> list[tuple[_Mat, int, int]]:
+    """Consecutive matrices of one type and row size (q, k, v) as one matrix each: (matrix, first output
+    row, end) per run. A run's rows are copied once into one tensor and the QTensors' `raw` become views
+    of it (no second copy stays in memory), so one launch multiplies the run."""
+    runs: list[list[QTensor]] = []
+    for w in mats:
+        if runs and runs[-1][0].qtype.ggml == w.qtype.ggml and runs[-1][0].raw.shape[-1] == w.raw.shape[-1]:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    out, row = [], 0
+    for run in runs:
+        raws = [w.raw.reshape(-1, w.raw.shape[-1]) for w in run]
+        cat = raws[0] if len(run) == 1 else torch.cat(raws)
+        if len(run) > 1:
+            a = 0
+            for w, r in zip(run, raws, strict=True):
+                w.raw = cat[a:a + r.shape[0]].view(w.raw.shape)
+                a += r.shape[0]
+        out.append((_Mat(cat, int(run[0].qtype.ggml), "+".join(w.name for w in run)), row, row + cat.shape[0]))
+        row += cat.shape[0]
+    return out
+
+
 class FastDecoder:
     """Static buffers + the per-token sequence of fused ops for one model and one KV cache."""
 
@@ -62,9 +86,8 @@ class FastDecoder:
         self.y = torch.empty(N, **f32)        # block output before a post-norm
         self.tmp = torch.empty(N, **f32)
         self.zero = torch.zeros(N, **f32)
-        self.q = torch.empty(H * D, **f32)
-        self.k = torch.empty(Hkv * D, **f32)
-        self.v = torch.empty(Hkv * Dv, **f32)
+        self.qkv = torch.empty(H * D + Hkv * D + Hkv * Dv, **f32)  # q, k, v, adjacent (fused products)
+        self.q, self.k, self.v = self.qkv.split([H * D, Hkv * D, Hkv * Dv])
         self.q_rot = torch.empty(H, D, **f32)
         self.attn = torch.empty(H, Dv, **f32)
         self.attn_p = torch.empty(H * Dv, **f32)  # attn in the word kernels' order, where attn_output reads it
@@ -91,6 +114,10 @@ class FastDecoder:
             d: dict[str, Any] = {k: L[k] for k in L if isinstance(L[k], torch.Tensor)}  # norms, router
             for k in ("attn_q", "attn_k", "attn_v", "attn_output"):
                 d[k] = _mat(L[k])
+            d["qkv_runs"] = _fuse_runs([L["attn_q"], L["attn_k"], L["attn_v"]])
+            if d["qkv_runs"][-1][2] != self.qkv.numel():
+                raise ValueError(f"layer {len(self.layers)}: q/k/v matrices have {d['qkv_runs'][-1][2]} rows, "
+                                 f"the model's heads need {self.qkv.numel()}")
             if moe:
                 for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
                     d[k] = _mat(L[k], experts=True)
@@ -117,11 +144,11 @@ class FastDecoder:
     def _layer(self, i: int, L: dict[str, Any]) -> None:
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
-        xp = self._perm(L["attn_q"], L["attn_k"], L["attn_v"])
+        runs = L["qkv_runs"]
+        xp = self._perm(*(m for m, _, _ in runs))
         ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
-        for name, out in (("attn_q", self.q), ("attn_k", self.k), ("attn_v", self.v)):
-            m = L[name]
-            ops.qmatvec(m.raw, m.qtype, self.xn, out, x_perm=xp)
+        for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
+            ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp)
         ops.qk_norm_rope_store(
             self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos,
             self.cache.k[i], self.cache.v[i], self.q_rot, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
