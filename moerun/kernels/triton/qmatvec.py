@@ -54,7 +54,13 @@ class Tile(NamedTuple):
 
 # Tuned overrides, keyed by (kind, qtype, M, K) with kind in {"mv", "gate_up", "down"}; M = output rows
 # (F for gate_up, N for down), K = input length. Filled from benchmarks/bench_qmatvec.py --sweep.
-TILES: dict[tuple[str, int, int, int], Tile] = {}
+TILES: dict[tuple[str, int, int, int], Tile] = {
+    ("mv", 14, 2048, 2048): Tile(2, 4, 2, 1),  # Q6_K attention 2048x2048: 5.63 us vs 6.30 (H200, NOTES.md 7)
+}
+# Output-sized matrices (M >= LARGE_MV_ROWS) of these types: many one-warp programs of a few rows. Q6_K
+# 50304x2048 on the H200: 70.3 us at Tile(4, 1, 1) vs 107.3 at the heuristic's Tile(32, 1, 8) (NOTES.md 7).
+LARGE_MV_ROWS = 16384
+LARGE_MV_TILES: dict[int, Tile] = {14: Tile(4, 1, 1, 1)}
 
 # Heuristic knobs (see default_tile).
 # aim for at least this many programs per SM, per kernel kind. Measured on the H200 in one decode-step
@@ -108,11 +114,15 @@ def default_tile(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torc
 
 
 def tile_for(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torch.device) -> Tile:
-    """`TILES[(kind, qtype, m, k)]` if tuned, else `default_tile` (cached)."""
+    """`TILES[(kind, qtype, m, k)]` if tuned, else LARGE_MV_TILES for output-sized matrices, else
+    `default_tile` (cached)."""
     key = (kind, qtype, m, k, n_sel, str(device))
     tile = _TILE_CACHE.get(key)
     if tile is None:
-        tile = TILES.get((kind, qtype, m, k)) or default_tile(kind, qtype, m, k, n_sel, device)
+        tile = TILES.get((kind, qtype, m, k))
+        if tile is None and kind == "mv" and m >= LARGE_MV_ROWS:
+            tile = LARGE_MV_TILES.get(qtype)
+        tile = tile or default_tile(kind, qtype, m, k, n_sel, device)
         _TILE_CACHE[key] = tile
     return tile
 
