@@ -42,7 +42,6 @@ from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
 Q4_K = 12
 WORD_TYPES: frozenset[int] = frozenset({Q4_K})  # GGML types these kernels read
-BLOCK_WORDS = 36  # a Q4_K block: 144 bytes
 # f = 1 + q/16: mask of mantissa bits 19-22 and the bits of 1.0f, passed as runtime arguments so the and-or
 # compiles to one 3-input LOP3 (as immediates ptxas emits two instructions)
 FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
@@ -60,10 +59,10 @@ class WTile(NamedTuple):
 # Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
 WTILES: dict[tuple[str, int, int], WTile] = {}
 MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate/up (static SASS, NOTES 7)
-# Rows per program, at most (gate/up holds two matrices' rows) ... as long as PROGRAMS_PER_SM one-warp programs
-# per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes, NOTES.md 7): 2 rows best for the
-# 2048-row attention matrices (4.35 us vs 4.81 at 1), for down (11.3 vs 13.7) and for gate/up (13.2 vs
-# 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
+# Rows per program: at most MAX_ROWS[kind] (gate/up holds the rows of two matrices), and only while at least
+# PROGRAMS_PER_SM one-warp programs per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes,
+# NOTES.md 7): 2 rows best for the 2048-row attention matrices (4.35 us vs 4.81 at 1), for down (11.3 vs
+# 13.7) and for gate/up (13.2 vs 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
 MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4}
 PROGRAMS_PER_SM = 4
 
