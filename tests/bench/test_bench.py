@@ -251,3 +251,14 @@ def test_cli_without_model_benches_a_synthetic_file(tmp_path: Path, choice: tupl
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "model" not in line]
     assert len(rows) == 2 and all(row.startswith(f"| {model} ") for row in rows), proc.stdout
     assert len(list(tmp_path.rglob("*.gguf"))) == 1
+
+
+def test_cli_ops_picks_the_decode_kernels(tiny: tuple[Path, object]) -> None:
+    """--ops names the fused step's kernels: the path column shows them (torch twins here, on any machine)."""
+    proc = _cli("-m", str(tiny[0]), "-p", "0", "-n", "4", "-r", "1", "-o", "json", "--bandwidth-gib", "0.02",
+                "--decode", "fast", "--ops", "torch")
+    assert proc.returncode == 0, proc.stderr
+    path = json.loads(proc.stdout)["results"][0]["path"]
+    assert "torch" in path and "triton" not in path, path
+    bad = _cli("-m", str(tiny[0]), "-n", "4", "--ops", "cuda-magic")
+    assert bad.returncode != 0 and "--ops" in bad.stderr

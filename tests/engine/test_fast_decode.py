@@ -70,3 +70,16 @@ def test_permuted_wiring_matches_reference(model_file) -> None:
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
         assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"
+
+
+def test_make_ops_names() -> None:
+    from moerun.errors import MoerunError
+    from moerun.kernels.ops import make_ops
+
+    assert make_ops("torch").name == "torch"
+    assert make_ops("triton").words and not make_ops("triton-bytes").words
+    assert make_ops("triton").kernel_name(12) == "triton-words"
+    assert make_ops("triton-bytes").kernel_name(12) == "triton"
+    assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
+    with pytest.raises(MoerunError, match="unknown decode ops"):
+        make_ops("cuda-magic")
