@@ -1,0 +1,80 @@
+"""Static SASS of the Q4_K word kernels (kernels/triton/wmatvec.py) for sm_90, without a GPU.
+
+    python benchmarks/sass_wmatvec.py [--tiles 2x4x1x2,4x4x1x2] [--kinds mv,gate_up,down]
+
+The wrappers are called at OLMoE sizes on CPU tensors with the kernel replaced by a recorder; the launch
+is specialised as Triton's launcher would and compiled for sm_90 with Triton's bundled ptxas (helpers
+from sass_qgemm.py). Reported per kernel and tile: registers, spill stack, the K loop's instructions per
+weight (static loop body x threads / weights a trip decodes) and its mix by class (NOTES.md section 7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import Counter
+
+import numpy as np
+import torch
+from sass_qgemm import _Recorder, classify, compile_launch, main_loop, sass_of
+
+from moerun.kernels.triton import wmatvec as wk
+from moerun.quant import random_blocks
+
+N, F, E, TOPK = 2048, 1024, 64, 8
+KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel"}
+
+
+def _q4k(*lead_k: int) -> torch.Tensor:
+    *lead, k = lead_k
+    n = int(np.prod(lead))
+    return torch.from_numpy(random_blocks(12, n * k // 256, np.random.default_rng(0))).reshape(*lead, k // 256 * 144)
+
+
+def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
+    """The wrapper's launch (args, kwargs) for one kernel kind at OLMoE sizes, on CPU tensors."""
+    name = KERNELS[kind]
+    rec = _Recorder(getattr(wk, name))
+    real = getattr(wk, name)
+    setattr(wk, name, rec)
+    ids = torch.arange(TOPK, dtype=torch.int32)
+    try:
+        if kind == "mv":
+            wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "gate_up":
+            w = _q4k(E, F, N)
+            wk.moe_gate_up_w(w, w, torch.zeros(N), ids, torch.empty(TOPK, F), perm_out=True, tile=tile)
+        else:
+            wk.moe_down_w(_q4k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
+                          torch.empty(N), tile=tile)
+    finally:
+        setattr(wk, name, real)
+    return rec.launch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiles", default="1x4x1x2,2x4x1x2,4x4x1x2,4x2x1x2,4x8x2x2", help="RxNBxWARPSxSTAGES")
+    ap.add_argument("--kinds", default="mv,gate_up,down")
+    args = ap.parse_args()
+    cols = ["LDG", "LDS", "STS", "BAR", "I2F", "IALU", "MOV", "FP32", "FP16", "CTRL", "other"]
+    print("| kernel | tile | regs | spill B | loop instr | /weight | " + " | ".join(cols) + " |")
+    print("|---|---|---:|---:|---:|---:|" + "---:|" * len(cols))
+    for kind in args.kinds.split(","):
+        for spec in args.tiles.split(","):
+            tile = wk.WTile(*(int(v) for v in spec.split("x")))
+            a, kw = record(kind, tile)
+            ck = compile_launch(getattr(wk, KERNELS[kind]), a, kw)
+            sass, res = sass_of(ck)
+            body = main_loop(sass)
+            per_trip = tile.rows * kw["NB"] * 256 * (2 if kind == "gate_up" else 1)  # weights a loop trip decodes
+            norm = 32 * tile.num_warps / per_trip
+            cnt = Counter(classify(op) for op in body)
+            mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)
+            regs = ",".join(re.findall(r"REG:(\d+)", res))
+            stack = ",".join(re.findall(r"STACK:(\d+)", res))
+            print(f"| {kind} | {spec} | {regs} | {stack} | {len(body)} | {len(body) * norm:.2f} | {mix} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
