@@ -83,3 +83,19 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
         make_ops("cuda-magic")
+
+
+def test_qkv_fused_without_a_second_copy(model_file) -> None:
+    """q/k/v of one type are multiplied as one matrix whose rows the layer's QTensors view (no extra memory)."""
+    path, _ = model_file
+    eng = Engine(path, device=TEST_DEVICE, dtype="float32", fast=True, ops="torch", graph=False)
+    for i, L in enumerate(eng.weights.layers):
+        runs = eng.fast.layers[i]["qkv_runs"]
+        assert runs[0][1] == 0 and runs[-1][2] == eng.fast.qkv.numel()
+        for m, a, b in runs:
+            assert m.raw.shape[0] == b - a
+        q, k, v = L["attn_q"], L["attn_k"], L["attn_v"]
+        if q.qtype.ggml == k.qtype.ggml == v.qtype.ggml:  # one run: every raw is a view of it
+            assert len(runs) == 1
+            base = runs[0][0].raw.untyped_storage().data_ptr()
+            assert all(t.raw.untyped_storage().data_ptr() == base for t in (q, k, v))
