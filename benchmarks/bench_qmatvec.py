@@ -112,6 +112,8 @@ class Case:
     def wfns(self, tile: W.WTile | None) -> list[Callable[[], object]]:
         """The word kernels (Q4_K) on the same launches; x permuted once outside the timed region."""
         xp = permute_k4(self.x)
+        if self.kind == "mv" and self.qtype == W.Q6_K:
+            return [lambda w=w: W.qmatvec_w6(w, xp, self.out, self.res, tile=tile) for w in self.ws]
         if self.kind == "mv":
             return [lambda w=w: W.qmatvec_w(w, xp, self.out, self.res, tile=tile) for w in self.ws]
         if self.kind == "gate_up":
@@ -134,6 +136,11 @@ class Case:
         for a in ("ws", "launches"):
             if hasattr(self, a):
                 delattr(self, a)
+
+
+def has_words(qtype: int, kind: str) -> bool:
+    """Whether a word kernel exists for this type and kind (Q6_K: the matvec only, so far)."""
+    return qtype in W.WORD_TYPES or (qtype == W.Q6_K and kind == "mv")
 
 
 def candidate_tiles(case: Case) -> list[Q.Tile]:
@@ -202,7 +209,7 @@ def main() -> None:
                     bt, btile = results[0]
                     row["best_tile"], row["best_us"], row["best_GBps"] = list(btile), bt * 1e6, case.bytes / bt / 1e9
                     best_tiles[(case.kind, qt, m, k)] = btile
-            for spec in [w for w in args.wtiles.split(",") if w] if qt in W.WORD_TYPES else []:
+            for spec in [w for w in args.wtiles.split(",") if w] if has_words(qt, case.kind) else []:
                 wt = None if spec == "default" else W.WTile(*map(int, spec.split("x")))
                 tw = graph_time(case.wfns(wt))
                 row.setdefault("words", {})[spec] = tw * 1e6

@@ -6,7 +6,8 @@
 #   tests (model and fast-decode tests with CUDA tensors), qwen3:TYPE (bench Qwen3-30B-A3B),
 #   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests),
 #   qgemmtests (GEMM kernel tests only), words:TYPE (word-kernel tests, micro-benchmark, profile and tg128 of
-#   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps).
+#   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps),
+#   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
@@ -25,6 +26,9 @@ bench() {  # bench FILE TAG ARGS...
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
+    export:*) export "${stage#*:}" ;;  # export:VAR=VALUE for the stages after it
+    unset:*) unset "${stage#*:}" ;;
+    pytest:*) timeout 420 python3 -m pytest -q -x tests/kernels -k "${stage#*:}" 2>&1 | tail -3 | tee -a "$LOG" ;;
     kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee -a "$LOG" ;;
     micro) timeout 240 python3 benchmarks/bench_qmatvec.py 2>&1 | tee -a "$LOG" ;;
     micro:*) timeout 240 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" 2>&1 | tee -a "$LOG" ;;

@@ -138,3 +138,15 @@ def test_byte_gate_up_perm_out(qtype, device, rng) -> None:
     plain = qk.moe_gate_up(wg, wu, int(qtype), int(qtype), x, ids, torch.empty(2, 256, device=device))
     perm = qk.moe_gate_up(wg, wu, int(qtype), int(qtype), x, ids, torch.empty(2, 256, device=device), perm_out=True)
     assert torch.equal(perm.cpu(), permute_k4(plain.cpu()))
+
+
+@pytest.mark.parametrize("m,n_sb,tile", [(37, 3, wk.WTile(4, 1)), (5, 2, wk.WTile(2, 2)), (9, 4, None)], ids=str)
+def test_qmatvec_w6(m, n_sb, tile, device, rng) -> None:
+    """Q6_K words (work in progress): odd block counts put odd rows at 2-byte offsets."""
+    gen, seed = rng
+    k = 256 * n_sb
+    raw, dense = quant_weights(int(T.Q6_K), (m,), k, gen, device)
+    x = vec(gen, k)
+    out = torch.full((m,), float("nan"), device=device)
+    wk.qmatvec_w6(raw, permute_k4(x).to(device), out, tile=tile)
+    check_bound(out, dense @ x.double(), dense.abs() @ x.double().abs(), seed, f"qmatvec_w6 M={m} K={k}")

@@ -35,6 +35,7 @@ from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU interpreter: emulate bf16 (see _mma)
 BK = 64  # weights of K per step: one Q4_K/Q5_K/Q6_K 64-weight chunk, two 32-blocks, 64 floats
+Q8_0_WORDS = tl.constexpr(os.environ.get("MOERUN_Q8_0_BYTES") != "1")  # experiment switch (NOTES 6h)
 _PREFETCH_K = {8: 64, 12: 256, 14: 512}  # types the kernel can load one step ahead, when K is a multiple
 # of this (word-aligned rows)
 
@@ -118,6 +119,39 @@ def _dq_q8_0(raw, BKC: tl.constexpr):
     d1 = ((dw1 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     d = tl.where(h == 0, d0[:, None], d1[:, None])
     return d * q.to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _ld_q8_0_words(wr, nm, k0, K, BKC: tl.constexpr):
+    """Raw int32 words of the Q8_0 step at k0 when K % 64 == 0: the step's two 34-byte blocks are the 17
+    words W[0..16] from a 4-byte boundary (W0 = d0 | q0[0:2] << 16, W1..W7 = q0[2:30], W8 = q0[30:32] |
+    d1 << 16, W9..W16 = q1). Returns W[0:8], W[1:9], W[9:17] [BN, 8] and W0, W8 [BN]; a step at k0 >= K
+    reads nothing. Word loads (the byte loads of `_ld_q8_0` cost one instruction per weight)."""
+    m = nm & (k0 < K)
+    bw = (wr + (k0 // 64) * 68).to(tl.pointer_type(tl.int32), bitcast=True)  # [BN] start of the block pair
+    i = tl.arange(0, BKC // 8)[None, :]
+    p = bw[:, None] + i
+    m2 = m[:, None] & (i >= 0)
+    return _word(p, m2), _word(p + 1, m2), _word(p + 9, m2), _word(bw, m), _word(bw + 8, m)
+
+
+@triton.jit
+def _i8f(x, sh: tl.constexpr):
+    """Signed byte at bit sh of int32 words x, as float32 (I2F.S8 reads the byte in place)."""
+    return (x >> sh).to(tl.int8).to(tl.float32)
+
+
+@triton.jit
+def _dq_q8_0_words(raw, BKC: tl.constexpr):
+    """Weights [BN, BK] float32 d * q from `_ld_q8_0_words`' words: block 0's q[4i:4i+4] are the high
+    half of W[i] and the low half of W[i+1], block 1's are W[9+i]."""
+    lo, lo1, hi, dw0, dw1 = raw
+    BN: tl.constexpr = lo.shape[0]
+    d0 = (dw0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+    d1 = ((dw1 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+    w0 = _j4(d0 * _i8f(lo, 16), d0 * _i8f(lo, 24), d0 * _i8f(lo1, 0), d0 * _i8f(lo1, 8))  # [BN, 8, 4]
+    w1 = _j4(d1 * _i8f(hi, 0), d1 * _i8f(hi, 8), d1 * _i8f(hi, 16), d1 * _i8f(hi, 24))
+    return tl.permute(tl.join(w0, w1), (0, 3, 1, 2)).reshape(BN, BKC)
 
 
 @triton.jit
@@ -401,7 +435,10 @@ def deq_tile(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
 def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
     """The raw loads of a step (a tuple of int tensors) for the types the kernel prefetches."""
     if QTYPE == 8:
-        raw = _ld_q8_0(wr, nm, k0, K, BKC)
+        if Q8_0_WORDS:
+            raw = _ld_q8_0_words(wr, nm, k0, K, BKC)
+        else:
+            raw = _ld_q8_0(wr, nm, k0, K, BKC)
     elif QTYPE == 12:
         raw = _ld_q4_k(wr, nm, k0, K, BKC)
     else:
@@ -413,7 +450,10 @@ def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
 def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr):
     """Weights [BN, BK] float32 of the step at k0 from `ld_raw`'s tuple."""
     if QTYPE == 8:
-        w = _dq_q8_0(raw, BKC)
+        if Q8_0_WORDS:
+            w = _dq_q8_0_words(raw, BKC)
+        else:
+            w = _dq_q8_0(raw, BKC)
     elif QTYPE == 12:
         w = _dq_q4_k(raw, k0, BKC)
     else:

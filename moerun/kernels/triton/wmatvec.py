@@ -354,3 +354,130 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
 
 __all__ = ["WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_gate_up_w", "permute_k4", "qmatvec_w",
            "supports", "wtile_for"]
+
+
+# ------------------------------------------------------------------------------ Q6_K (work in progress)
+# Q6_K block = 210 bytes = 105 halfwords: ql hw 0..63, qh hw 64..95, scales (int8) bytes 192..207, d hw 104.
+# Blocks are only 2-byte aligned (210 b), so 32-bit words are assembled from two halfword loads.
+# ql word t = 16h + tt (h < 2, tt < 16), byte k, nibble n (0 low, 1 high) holds the low 4 bits of weight
+# 128h + 64n + 4tt + k (sub-block 8h + 4n + tt // 4); its 2 high bits sit in qh word 8h + tt % 8 at bit
+# 8k + 4n + 2 (tt // 8). After permute_k4 its x is at slot 64k + 32h + 16n + tt.
+# q (6 bits) becomes f = 1 + q / 64 (bits 17-22 under the exponent of 1.0), and per word
+# sum_k d sc (q_k - 32) x_k = d sc (64 sum_k f_k x_k - 96 sum_k x_k).
+
+Q6_K = 14
+
+
+@triton.jit
+def _words_at(wp, hw, ok):
+    """The 32-bit words starting at halfword offsets hw (any shape) from wp (int32 pointer): aligned ones read
+    directly, the others (odd hw) from the two words around them (a 16-bit funnel shift)."""
+    j = hw >> 1
+    a = tl.load(wp + j, mask=ok, other=0)
+    b = tl.load(wp + j + 1, mask=ok, other=0)
+    return tl.where((hw & 1) != 0, ((a >> 16) & 0xFFFF) | (b << 16), a)
+
+
+@triton.jit
+def _f6(ql, vs, P: tl.constexpr):
+    """1 + q / 64 for the 6-bit value whose low nibble is at bit P of ql and whose 2 high bits are at bit P
+    of vs."""
+    if P <= 17:
+        a = ql << (17 - P)
+    else:
+        a = ql >> (P - 17)
+    if P <= 21:
+        b = vs << (21 - P)
+    else:
+        b = vs >> (P - 21)
+    return ((a & 0x1E0000) | (b & 0x600000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q6k_x_tiles(x_ptr, kb, NB: tl.constexpr):
+    """Permuted x of blocks kb.. as 8 tiles [NB, 2, 16] (position 2k + n) and per-word sums over k per n."""
+    blk = kb + tl.arange(0, NB)
+    xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+    xs = ()
+    for p in tl.static_range(8):
+        xs = xs + (tl.load(x_ptr + xo + 64 * (p // 2) + 16 * (p % 2)),)
+    return xs, xs[0] + xs[2] + xs[4] + xs[6], xs[1] + xs[3] + xs[5] + xs[7]
+
+
+@triton.jit
+def _q6k_row_step(wp, hp, bp, off, ok, kb, xs, xs_lo, xs_hi, scale, acc, NB: tl.constexpr):
+    """One row's blocks kb..: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble.
+    off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at 2 off)."""
+    blk = kb + tl.arange(0, NB)
+    bo = off + blk * 105  # [NB] first halfword of each block
+    h = tl.arange(0, 2)[None, :, None]
+    tt = tl.arange(0, 16)[None, None, :]
+    b3 = bo[:, None, None]
+    ql = _words_at(wp, b3 + 2 * (16 * h + tt), ok)  # [NB, 2, 16]
+    qh = _words_at(wp, b3 + 64 + 2 * (8 * h + tt % 8), ok)
+    vs = qh >> (2 * (tt // 8))
+    pl = _f6(ql, vs, 0) * xs[0]
+    ph = _f6(ql, vs, 4) * xs[1]
+    for k in tl.static_range(1, 4):
+        pl += _f6(ql, vs, 8 * k) * xs[2 * k]
+        ph += _f6(ql, vs, 8 * k + 4) * xs[2 * k + 1]
+    d = tl.load(hp + bo + 104, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32) * scale  # [NB]
+    sub = 8 * h + tt // 4  # sub-block of the low nibbles; the high ones are + 4
+    sp = bp + 2 * b3 + 192 + sub
+    sc_lo = tl.load(sp, mask=ok, other=0).to(tl.float32)
+    sc_hi = tl.load(sp + 4, mask=ok, other=0).to(tl.float32)
+    d3 = d[:, None, None]
+    acc += (d3 * sc_lo) * (64.0 * pl - 96.0 * xs_lo) + (d3 * sc_hi) * (64.0 * ph - 96.0 * xs_hi)
+    return acc
+
+
+@triton.jit
+def _wmv6_kernel(w_ptr, h_ptr, b_ptr, x_ptr, res_ptr, out_ptr, M,
+                 N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
+    """Grid (cdiv(M, R),). The matrix's bytes as int32 words (w, the whole words), int16 (h) and int8 (b);
+    rows of 105 N_BLOCKS halfwords; x: permuted f32. A program's first row starts at an even halfword, so
+    its halfword offsets are taken from the even base (row0 * SH rounded down) and keep their parity."""
+    SH: tl.constexpr = 105 * N_BLOCKS  # halfwords per row
+    row0 = tl.program_id(0) * R
+    start = row0.to(tl.int64) * SH
+    base = start - (start & 1)  # even: a word boundary
+    wp = w_ptr + base // 2
+    hp = h_ptr + base
+    bp = b_ptr + 2 * base
+    lead = (start & 1).to(tl.int32)
+    accs = ()
+    for _r in tl.static_range(R):
+        accs = accs + (tl.zeros([NB, 2, 16], dtype=tl.float32),)
+    for kb in range(0, N_BLOCKS, NB):
+        xs, xs_lo, xs_hi = _q6k_x_tiles(x_ptr, kb, NB)
+        new = ()
+        for r in tl.static_range(R):
+            new = new + (_q6k_row_step(wp, hp, bp, lead + r * SH, row0 + r < M, kb, xs, xs_lo, xs_hi, 1.0,
+                                       accs[r], NB),)
+        accs = new
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = tl.sum(tl.sum(tl.sum(accs[r], axis=2), axis=1), axis=0)
+        if HAS_RES:
+            v += tl.load(res_ptr + row, mask=row < M, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < M)
+
+
+def qmatvec_w6(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+               *, tile: WTile | None = None) -> torch.Tensor:
+    """out[M] = W[M, K] @ x[K] (+ residual) for a Q6_K matrix (work in progress: not wired into TritonOps).
+
+    w: uint8 [M, 210 K / 256] rows contiguous; xp: f32 [K] in permute_k4 order; out/residual f32 [M]."""
+    m, k = w.shape[0], xp.shape[0]
+    if w.shape[-1] != 210 * (k // 256) or k % 256:
+        raise ValueError(f"Q6_K rows must be {210 * (k // 256)} bytes for K = {k}, got {tuple(w.shape)}")
+    t = wtile_for("mv", m, k, m, w.device, tile)
+    flat = w.reshape(-1)
+    words = flat[: flat.numel() // 4 * 4].view(torch.int32)  # whole words (the last 2 bytes may be left out:
+    # only an odd block's d lives there, read as a halfword)
+    _wmv6_kernel[(triton.cdiv(m, t.rows),)](
+        words, w.view(torch.int16), w.view(torch.int8), xp, out if residual is None else residual, out, m,
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
