@@ -40,6 +40,11 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "dense 64x32 w4 s3": {"tiles": {"dense": GemmTile(64, 32, 4, 3)}},
     "dense 128x64 w4 s3": {"tiles": {"dense": GemmTile(128, 64, 4, 3)}},
     "experts dequant": {"experts": "dequant"},
+    "dense dequant": {"dense": "dequant"},
+    "dense fused": {"dense": "fused"},
+    "moe q8 words": {"tiles": {k: fp.TILES[k]._replace(q8_words=True) for k in ("gate_up", "down")}},
+    "swap moe 128x64 q8 words": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4, swap=True, q8_words=True)
+                                           for k in ("gate_up", "down")}},
     "float32 exact": {"exact": True},
 }
 DEFAULT_VARIANTS = "default,eager"
@@ -71,6 +76,7 @@ def main() -> None:
     counts = [int(c) for c in args.tokens.split(",")]
     eng = Engine(args.model, fast=False, prefill="fast", n_ctx=max(counts) + 16)
     base_tiles = dict(fp.TILES)
+    base_dense = eng.prefiller.dense
     rows = []
     for name in args.variants.split(","):
         v = VARIANTS[name]
@@ -81,6 +87,7 @@ def main() -> None:
         p.exact = v.get("exact", False)
         p.act_dtype = torch.float32 if p.exact else torch.bfloat16
         p.experts = v.get("experts", "fused")
+        p.dense = v.get("dense", base_dense)
         p.graph_max = v.get("graph_max", fp.DEFAULT_GRAPH_MAX)
         p._graphs.clear()  # graphs captured under another variant's tiles
         p._seen.clear()
@@ -94,7 +101,7 @@ def main() -> None:
     fp.TILES.clear()
     fp.TILES.update(base_tiles)
     p = eng.prefiller
-    p.exact, p.act_dtype, p.experts = False, torch.bfloat16, "fused"
+    p.exact, p.act_dtype, p.experts, p.dense = False, torch.bfloat16, "fused", base_dense
     p.graph_max = 0  # the profile shows the kernels of an eager forward
     if args.profile:
         toks = list(range(1, 513))

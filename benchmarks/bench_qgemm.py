@@ -3,7 +3,8 @@
 
     python benchmarks/bench_qgemm.py [--types Q4_K,Q8_0,F16] [--tiles 64x64x4x2,128x64x4x3sw,...] [--prefetch on,off]
 
-Per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
+Per weight type: the dense projection as a bf16 copy of the weights then cuBLAS (qgemm.dequantize_bf16);
+per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
 64 experts, top-8, F = 1024) and the grouped down; median of 20 CUDA-event timings, as TFLOP/s and as
 G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
 --prefetch on,off times each tile with and without the kernel's one-step-ahead raw loads (Q8_0, Q4_K, Q6_K).
@@ -12,6 +13,7 @@ G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the cei
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 
 import numpy as np
@@ -67,11 +69,18 @@ def main() -> None:
         w_g = weights(qt, (E, F), N, gen)
         w_u = weights(qt, (E, F), N, gen)
         w_d = weights(qt, (E, N), F, gen)
+        wb = torch.empty(N, N, device=dev, dtype=torch.bfloat16)
+        ms = timed(lambda: qg.dequantize_bf16(w_dense, qt, wb))
+        rows.append((tname, "dense: bf16 copy only", "-", ms, 0.0, N * N / ms / 1e6))
+        ms = timed(lambda: torch.mm(x, qg.dequantize_bf16(w_dense, qt, wb).T, out_dtype=torch.float32))
+        rows.append((tname, "dense: bf16 copy + cuBLAS", "-", ms, 2 * T * N * N / ms / 1e9, N * N / ms / 1e6))
+        print(*rows[-1], flush=True)
         for spec, pf in [(t, p) for t in args.tiles.split(",") for p in args.prefetch.split(",")]:
-            bm, bn, nw, ns = (int(v) for v in spec.removesuffix("sw").split("x")[:4])
-            spec = f"{spec} pf {pf}"
+            dims, flags = re.fullmatch(r"([\dx]+)([a-z\d]*)", spec).groups()
+            bm, bn, nw, ns = (int(v) for v in dims.split("x")[:4])
             tile = qg.GemmTile(bm, bn, nw, ns, frozenset({8, 12, 14}) if pf == "on" else frozenset(),
-                               swap=spec.endswith("sw"))
+                               swap="sw" in flags, q8_words="q8w" in flags)
+            spec = f"{spec} pf {pf}"
             try:
                 out = torch.empty(T, N, device=dev)
                 ms = timed(lambda: qg.qgemm(x, w_dense, qt, out, tile=tile))

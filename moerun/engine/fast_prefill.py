@@ -46,6 +46,7 @@ from moerun.quant.registry import dequantize
 DEFAULT_CHUNK = 2048
 GRAPH_STEP = 128  # prompt lengths are padded to a multiple of this for graph replay
 DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer ones amortise their launches)
+DEQUANT_MIN_ROWS = 128  # dense products of fewer tokens decode in the GEMM (a bf16 copy of W costs more)
 
 # Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs), from
 # benchmarks/bench_qgemm.py and bench_prefill.py on the H200 (benchmarks/NOTES.md section 6), with the
@@ -73,17 +74,23 @@ class FastPrefill:
     """Batched forward of prompt chunks for one model and one KV cache."""
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
-                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused",
+                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "fused",
                  graph_max: int = DEFAULT_GRAPH_MAX) -> None:
         """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
         each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
         the same GEMM on those (the alternative benchmarks/bench_prefill.py measures).
+        dense: "fused" decodes the projections' weights inside the GEMM (once per token block); "dequant"
+        writes each projection's weights to one reused bf16 buffer and multiplies with torch (cuBLAS) when
+        the chunk has >= DEQUANT_MIN_ROWS tokens (bf16 mode; the float32 mode always decodes in the GEMM).
         graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only)."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact
         if experts not in ("fused", "dequant"):
             raise ValueError(f"experts must be 'fused' or 'dequant', got {experts!r}")
         self.experts = experts
+        if dense not in ("fused", "dequant"):
+            raise ValueError(f"dense must be 'fused' or 'dequant', got {dense!r}")
+        self.dense = dense
         self.tile_overrides: set[str] = set()  # kinds whose TILES entry a benchmark set explicitly
         self.chunk = chunk
         self.act_dtype = torch.float32 if exact else torch.bfloat16  # dtype of matrix inputs
@@ -91,6 +98,7 @@ class FastPrefill:
         self._graphs: dict[int, _ChunkGraph] = {}  # padded length -> captured first-chunk forward
         self._seen: set[int] = set()  # padded lengths run once (captured the next time)
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
+        self._wbuf: torch.Tensor | None = None  # dense="dequant": bf16 weights of the current projection
         dev, factors = cache.k[0].device, weights.globals.get("rope_freqs")
         self._rope = {False: rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors, dev)}
         if any(cfg.swa_layers):
@@ -104,8 +112,28 @@ class FastPrefill:
         return self._linear_raw(x, raw.reshape(-1, raw.shape[-1]), qtype)
 
     def _linear_raw(self, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
-        out = torch.empty(x.shape[0], raw.shape[0], device=x.device, dtype=torch.float32)
+        T, M = x.shape[0], raw.shape[0]
+        K = x.shape[1]
+        bf16_copy = self.dense == "dequant" and not self.exact and T >= DEQUANT_MIN_ROWS
+        if bf16_copy and self._wbuf is None:  # allocated by the first (eager) chunk using it, not in a capture
+            self._wbuf = self._dense_buffer(x.device)
+        if bf16_copy and M * K <= self._wbuf.numel():
+            wb = qg.dequantize_bf16(raw, qtype, self._wbuf[: M * K].view(M, K))  # [M, K] bf16
+            return _mm_f32(x.to(torch.bfloat16), wb)
+        out = torch.empty(T, M, device=x.device, dtype=torch.float32)
         return qg.qgemm(x, raw, qtype, out, exact=self.exact, tile=TILES["dense"])
+
+    def _dense_buffer(self, device: torch.device) -> torch.Tensor:
+        """The bf16 buffer dense="dequant" writes each projection into: the largest attention matrix
+        (stacked q/k/v or one of q, k, v, output), reused by every layer in turn; the output matrix
+        (vocabulary rows) is larger and decodes in the GEMM."""
+        sizes = []
+        for i, L in enumerate(self.w.layers):
+            mats = [L[k] for k in ("attn_q", "attn_k", "attn_v", "attn_output") if isinstance(L.get(k), QTensor)]
+            sizes += [m.shape[0] * m.shape[1] for m in mats if len(m.shape) == 2]
+            if self._qkv[i] is not None:
+                sizes.append(self._qkv[i][0].shape[0] * self.cfg.n_embd)
+        return torch.empty(max(sizes, default=0), dtype=torch.bfloat16, device=device)
 
     @staticmethod
     def _stack_qkv(L: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
@@ -279,6 +307,13 @@ class FastPrefill:
         last = torch.empty(1, dtype=torch.long, device=tokens.device)
         _fill_padded(buf, last, tokens)
         return self._chunk(buf, 0, True, last)
+
+
+def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [M, K]^T -> [T, M] float32 from bf16 operands (float32 accumulation and output)."""
+    if x.is_cuda:
+        return torch.mm(x, w.T, out_dtype=torch.float32)
+    return x.float() @ w.float().T  # CPU: bf16 products are exact in float32
 
 
 def _fill_padded(buf: torch.Tensor, last: torch.Tensor, tokens: torch.Tensor) -> None:

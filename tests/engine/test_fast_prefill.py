@@ -166,3 +166,18 @@ def test_real_gemma_prefill(gemma_file) -> None:
     sure = (top2[:, 0] - top2[:, 1]) > 1e-2
     assert sure.sum() > 16
     assert torch.equal(got[n - 1:].argmax(-1)[sure].cpu(), ref[n - 1:].argmax(-1)[sure].cpu())
+
+
+def test_dense_products_through_a_bf16_copy(case, monkeypatch) -> None:
+    """dense="dequant": projections multiply a bf16 copy of the weights with torch; the same bf16 products as
+    the fused GEMM in another accumulation order: a float32 rounding apart per product, which bf16
+    activations can amplify over the layers (~3e-3 seen on the tiny MoE models), far from a wrong product."""
+    path, tokens, _, _ = case
+    monkeypatch.setattr(fast_prefill, "DEQUANT_MIN_ROWS", 8)  # the test prompt is short
+    eng = Engine(path, fast=False, prefill="fast", prefill_dtype="bfloat16", graph=False, **KW)
+    fused = eng.forward(tokens)
+    eng.reset()
+    eng.prefiller.dense = "dequant"
+    got = eng.forward(tokens)
+    assert eng.prefiller._wbuf is not None and eng.prefiller._wbuf.numel() > 0
+    assert rel_err(got, fused) < 1e-2

@@ -20,7 +20,15 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton.moe_align import moe_align_torch  # noqa: E402
-from moerun.kernels.triton.qgemm import GemmTile, moe_align, moe_down, moe_gate_up, padded_rows, qgemm  # noqa: E402
+from moerun.kernels.triton.qgemm import (  # noqa: E402
+    GemmTile,
+    dequantize_bf16,
+    moe_align,
+    moe_down,
+    moe_gate_up,
+    padded_rows,
+    qgemm,
+)
 from moerun.kernels.triton.qmatvec import GEOMETRY  # noqa: E402
 from moerun.quant import dequantize, random_blocks  # noqa: E402
 
@@ -72,10 +80,11 @@ def test_qgemm(qtype, exact, device, rng) -> None:
 
 @pytest.mark.parametrize("qtype,k", [(T.Q8_0, 288), (T.Q8_0, 320), (T.Q6_K, 512), (T.Q6_K, 768), (T.Q4_K, 512)],
                          ids=["Q8_0-K288", "Q8_0-K320", "Q6_K-K512", "Q6_K-K768", "Q4_K-K512"])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "plain"])
+@pytest.mark.parametrize("prefetch", [True, False, "q8 words"], ids=["prefetch", "plain", "q8words"])
 def test_prefetch_paths(qtype, k, prefetch, device, rng) -> None:
-    """Q8_0 / Q6_K / Q4_K with the raw weights loaded one step ahead (where K allows) and without."""
-    tile = TILE._replace(prefetch=frozenset({8, 12, 14}) if prefetch else frozenset())
+    """Q8_0 / Q6_K / Q4_K with the raw weights loaded one step ahead (where K allows) and without; Q8_0
+    prefetched as int32 words (GemmTile.q8_words)."""
+    tile = TILE._replace(prefetch=frozenset({8, 12, 14}) if prefetch else frozenset(), q8_words=prefetch == "q8 words")
     gen, seed = rng
     _check_dense(qtype, 19, 45, k, tile, True, device, gen, f"{qtype.name} K={k} seed {seed}")
 
@@ -184,3 +193,16 @@ def test_unsupported_and_bad_k(device) -> None:
         qgemm(torch.zeros(1, 256), torch.zeros(1, 84, dtype=torch.uint8), 10, torch.zeros(1, 1))
     with pytest.raises(ValueError, match="K = 100"):
         qgemm(torch.zeros(1, 100), torch.zeros(1, 100, dtype=torch.uint8), 8, torch.zeros(1, 1))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_bf16(qtype, device, rng) -> None:
+    """The bf16 copy dense prefill products multiply: every weight rounded to nearest bf16, bit for bit."""
+    gen, _ = rng
+    k = 320 if GEOMETRY[qtype][0] == 32 else 512
+    raw, w = _weights(qtype, (37,), k, gen, device)
+    out = torch.full((37, k), float("nan"), device=device, dtype=torch.bfloat16)
+    dequantize_bf16(raw, int(qtype), out)
+    assert torch.equal(out.cpu().view(torch.int16), w.float().bfloat16().view(torch.int16))
+    with pytest.raises(ValueError, match="do not hold"):
+        dequantize_bf16(raw, int(qtype), out[:, :-32])

@@ -35,7 +35,6 @@ from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, SUPPORTED, _act
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU interpreter: emulate bf16 (see _mma)
 BK = 64  # weights of K per step: one Q4_K/Q5_K/Q6_K 64-weight chunk, two 32-blocks, 64 floats
-Q8_0_WORDS = tl.constexpr(os.environ.get("MOERUN_Q8_0_BYTES") != "1")  # experiment switch (NOTES 6h)
 _PREFETCH_K = {8: 64, 12: 256, 14: 512}  # types the kernel can load one step ahead, when K is a multiple
 # of this (word-aligned rows)
 
@@ -57,6 +56,7 @@ class GemmTile(NamedTuple):
     num_stages: int = 2
     prefetch: frozenset[int] = frozenset({8, 14})
     swap: bool = False  # compute out^T = W A^T: decoded weights as the MMA's register operand (NOTES 6g)
+    q8_words: bool = False  # prefetched Q8_0 read as int32 words instead of bytes (NOTES 6h)
 
 
 DEFAULT_TILE = GemmTile()
@@ -432,10 +432,11 @@ def deq_tile(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
-    """The raw loads of a step (a tuple of int tensors) for the types the kernel prefetches."""
+def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr, Q8W: tl.constexpr):
+    """The raw loads of a step (a tuple of int tensors) for the types the kernel prefetches (Q8W: Q8_0 as
+    words)."""
     if QTYPE == 8:
-        if Q8_0_WORDS:
+        if Q8W:
             raw = _ld_q8_0_words(wr, nm, k0, K, BKC)
         else:
             raw = _ld_q8_0(wr, nm, k0, K, BKC)
@@ -447,10 +448,10 @@ def ld_raw(wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr):
+def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr, Q8W: tl.constexpr):
     """Weights [BN, BK] float32 of the step at k0 from `ld_raw`'s tuple."""
     if QTYPE == 8:
-        if Q8_0_WORDS:
+        if Q8W:
             w = _dq_q8_0_words(raw, BKC)
         else:
             w = _dq_q8_0(raw, BKC)
@@ -462,13 +463,14 @@ def dq_raw(raw, k0, QTYPE: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def _step_weights(raw, wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr, PREFETCH: tl.constexpr):
+def _step_weights(raw, wr, nm, k0, K, QTYPE: tl.constexpr, BKC: tl.constexpr, PREFETCH: tl.constexpr,
+                  Q8W: tl.constexpr):
     """Weights [BN, BK] float32 of the step at k0, and what the next step decodes: with PREFETCH, decoded
     from `raw` (loaded one step earlier) after issuing step k0 + BK's raw loads; otherwise read and
     decoded now (`raw` passes through unused)."""
     if PREFETCH:
-        nxt = ld_raw(wr, nm, k0 + BKC, K, QTYPE, BKC)
-        w = dq_raw(raw, k0, QTYPE, BKC)
+        nxt = ld_raw(wr, nm, k0 + BKC, K, QTYPE, BKC, Q8W)
+        w = dq_raw(raw, k0, QTYPE, BKC, Q8W)
     else:
         nxt = raw
         w = deq_tile(wr, nm, k0, K, QTYPE, BKC)
@@ -517,7 +519,7 @@ def _qgemm_kernel(
     K: tl.constexpr, QTYPE: tl.constexpr, QTYPE2: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
     SCATTER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EXACT: tl.constexpr, EMULATE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKC: tl.constexpr, PREFETCH: tl.constexpr = False,
-    SWAP: tl.constexpr = False,
+    SWAP: tl.constexpr = False, Q8W: tl.constexpr = False,
 ):
     """Grid (cdiv(P, BM), cdiv(M, BN)); P = rows of the (padded) product.
 
@@ -527,7 +529,7 @@ def _qgemm_kernel(
     PREFETCH (Q8_0 with K % 64 == 0, Q4_K with K % 256 == 0, Q6_K with K % 512 == 0; QTYPE2 == QTYPE): the
     raw weights of step k0 + BK are loaded before step k0's decode and product (a register double buffer:
     Q8_0's byte loads are too narrow for Triton's asynchronous-copy pipelining, Q6_K's unaligned words
-    too small for 16-byte copies). SWAP: see _mma.
+    too small for 16-byte copies). SWAP: see _mma. Q8W: prefetched Q8_0 read as words (_ld_q8_0_words).
     """
     pid_m = tl.program_id(0)
     p = pid_m * BM + tl.arange(0, BM)  # [BM]
@@ -557,17 +559,17 @@ def _qgemm_kernel(
         raw = 0  # with PREFETCH: the raw loads of the step about to be decoded
         raw2 = 0
         if PREFETCH:
-            raw = ld_raw(wr, nm, 0, K, QTYPE, BKC)
+            raw = ld_raw(wr, nm, 0, K, QTYPE, BKC, Q8W)
             if GATED:
-                raw2 = ld_raw(wr2, nm, 0, K, QTYPE2, BKC)
+                raw2 = ld_raw(wr2, nm, 0, K, QTYPE2, BKC, Q8W)
         for k0 in range(0, K, BKC):
             k = k0 + kk
             a = tl.load(a_ptr + arow[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < K)[None, :],
                         other=0.0)  # [BM, BK]
-            w, raw = _step_weights(raw, wr, nm, k0, K, QTYPE, BKC, PREFETCH)
+            w, raw = _step_weights(raw, wr, nm, k0, K, QTYPE, BKC, PREFETCH, Q8W)
             acc = _mma(acc, a, w, EXACT, EMULATE, SWAP)
             if GATED:
-                w2, raw2 = _step_weights(raw2, wr2, nm, k0, K, QTYPE2, BKC, PREFETCH)
+                w2, raw2 = _step_weights(raw2, wr2, nm, k0, K, QTYPE2, BKC, PREFETCH, Q8W)
                 acc2 = _mma(acc2, a, w2, EXACT, EMULATE, SWAP)
         if SWAP:  # back to [BM, BN] for the epilogue (one layout conversion per tile)
             acc = tl.trans(acc)
@@ -584,6 +586,19 @@ def _qgemm_kernel(
             acc = _round_bf16(acc)  # exact conversion below, whatever the rounding mode
         tl.store(out_ptr + orow[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & nm[None, :])
+
+
+@triton.jit
+def _dequant_bf16_kernel(w_ptr, out_ptr, M, K, stride_w, stride_out, QTYPE: tl.constexpr, BN: tl.constexpr,
+                         BKC: tl.constexpr):
+    """Grid (cdiv(M, BN), cdiv(K, BKC)): out [M, K] int16 = the bits of each weight rounded to bf16."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < M
+    k0 = tl.program_id(1) * BKC
+    w = deq_tile(w_ptr + n.to(tl.int64) * stride_w, nm, k0, K, QTYPE, BKC)  # [BN, BKC] float32
+    bits = (_round_bf16(w).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    k = k0 + tl.arange(0, BKC)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * stride_out + k[None, :], bits, mask=nm[:, None] & (k < K)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -617,9 +632,26 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     _qgemm_kernel[grid](
         a, wt, wt, out, a, a, a, T, M, a.stride(0), out.stride(0), 0, wt.stride(0), 0, wt.stride(0), 1,
         K=K, QTYPE=qtype, QTYPE2=qtype, GROUPED=False, GATHER=False, SCATTER=False, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype), SWAP=tile.swap,
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype), SWAP=tile.swap, Q8W=tile.q8_words,
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
+    return out
+
+
+def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
+    """out[M, K] bf16 = W dequantized and rounded to nearest bf16 (the values the bf16 GEMM multiplies), for
+    the prefill's dense products: a bf16 copy then cuBLAS beats decoding each weight once per token block
+    (benchmarks/NOTES.md 6h). w: uint8 [M, row_bytes] (GGUF bytes); out: bf16 [M, K] rows contiguous."""
+    _check(qtype)
+    M, K = out.shape
+    bs, ts, _ = GEOMETRY[qtype]
+    if w.shape[0] != M or w.shape[-1] != K // bs * ts or K % bs:
+        raise ValueError(f"weights {tuple(w.shape)} of GGML type {qtype} do not hold a [{M}, {K}] matrix")
+    _k_ok(qtype, K, w)
+    wt = _typed(w, qtype)
+    o16 = out.view(torch.int16)
+    _dequant_bf16_kernel[(triton.cdiv(M, 16), triton.cdiv(K, BK))](
+        wt, o16, M, K, wt.stride(0), o16.stride(0), QTYPE=qtype, BN=16, BKC=BK, num_warps=4)
     return out
 
 
@@ -644,7 +676,7 @@ def moe_gate_up(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, qtype
         wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), routing.topk,
         K=K, QTYPE=qtype_gate, QTYPE2=qtype_up, GROUPED=True, GATHER=True, SCATTER=False, GATED=True,
         ACT=ACTIVATIONS[act], EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(K, tile, qtype_gate, qtype_up),
-        SWAP=tile.swap, BM=tile.block_m, BN=tile.block_n, BKC=BK,
+        SWAP=tile.swap, Q8W=tile.q8_words, BM=tile.block_m, BN=tile.block_n, BKC=BK,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -667,7 +699,7 @@ def moe_down(h: torch.Tensor, w_down: torch.Tensor, qtype: int, routing: Routing
         h, wd, wd, out, routing.rows, routing.block_expert, route_w, P, N, h.stride(0), out.stride(0),
         wd.stride(0), wd.stride(1), 0, 0, routing.topk,
         K=F, QTYPE=qtype, QTYPE2=qtype, GROUPED=True, GATHER=False, SCATTER=True, GATED=False, ACT=0,
-        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, tile, qtype), SWAP=tile.swap,
+        EXACT=exact, EMULATE=_INTERPRET, PREFETCH=_prefetch(F, tile, qtype), SWAP=tile.swap, Q8W=tile.q8_words,
         BM=tile.block_m, BN=tile.block_n, BKC=BK, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
