@@ -137,15 +137,16 @@ class FastDecoder:
         self.ops.rms_norm(self.y, post_norm, self.cfg.rms_eps, self.tmp)
         self.x.add_(self.tmp)
 
-    def _perm(self, *mats: _Mat) -> torch.Tensor | None:
-        """self.xp if one of these matrices (over the model width) reads permuted activations, else None."""
-        return self.xp if any(self.ops.perm(m.qtype, self.cfg.n_embd) for m in mats) else None
+    def _perm(self, kind: str, *mats: _Mat) -> torch.Tensor | None:
+        """self.xp if one of these matrices (over the model width, in products of `kind`) reads permuted
+        activations, else None."""
+        return self.xp if any(self.ops.perm(m.qtype, self.cfg.n_embd, kind) for m in mats) else None
 
     def _layer(self, i: int, L: dict[str, Any]) -> None:
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
-        xp = self._perm(*(m for m, _, _ in runs))
+        xp = self._perm("mv", *(m for m, _, _ in runs))
         ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
         for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
             ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp)
@@ -156,7 +157,7 @@ class FastDecoder:
             base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
             freq_factors=self.rope_freqs)
         wo = L["attn_output"]
-        ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0]) else None
+        ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
         ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.kv_len, cfg.attn_scale,
                              cfg.sliding_window if swa else 0, self.attn, out_perm=ap)
         if spec.post_norms:
@@ -166,12 +167,12 @@ class FastDecoder:
             ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x, x_perm=ap)
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
-        xp = self._perm(g, u)
+        xp = self._perm("gate_up", g, u)
         ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
         if cfg.is_moe:
             ops.router(self.xn, L["ffn_gate_inp"], self.router_logits)
             ops.route_topk(self.router_logits, cfg.n_expert_used, cfg.expert_weights_norm, self.route_w, self.ids)
-        h_perm = ops.perm(d.qtype, self.h.shape[-1])  # down reads h permuted
+        h_perm = ops.perm(d.qtype, self.h.shape[-1], "down")  # down reads h permuted
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
                         perm_out=h_perm)
         if spec.post_norms:
@@ -186,7 +187,7 @@ class FastDecoder:
         self._embed()
         for i, L in enumerate(self.layers):
             self._layer(i, L)
-        xp = self._perm(self.out_mat)
+        xp = self._perm("mv", self.out_mat)
         self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp)
         self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp)
         if cfg.final_logit_softcap:

@@ -47,8 +47,9 @@ class TorchOps:
     name = "torch"
 
     @staticmethod
-    def perm(qtype: int, k: int) -> bool:
-        """Whether products of this weight type over K inputs read permuted activations (never, here)."""
+    def perm(qtype: int, k: int, kind: str | None = None) -> bool:
+        """Whether products of this weight type over K inputs (of `kind`: "mv", "gate_up", "down"; None: any)
+        read permuted activations (never, here)."""
         return False
 
     @staticmethod

@@ -40,16 +40,17 @@ class TritonOps:
             return "triton-words"
         return "triton" if qtype in qk.SUPPORTED else "torch-dequant (no fused kernel)"
 
-    def perm(self, qtype: int, k: int) -> bool:
-        """Whether products of this type over K inputs run on the word kernels (permuted activations)."""
-        return self.words and wk.supports(qtype, k)
+    def perm(self, qtype: int, k: int, kind: str | None = None) -> bool:
+        """Whether products of this type over K inputs (of `kind`: "mv", "gate_up", "down"; None: any) run on
+        the word kernels (permuted activations)."""
+        return self.words and wk.supports(qtype, k, kind)
 
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
-        if x_perm is not None and self.perm(qtype, x.shape[-1]):
-            return wk.qmatvec_w(w, x_perm, out, residual)
+        if x_perm is not None and self.perm(qtype, x.shape[-1], "mv"):
+            return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
@@ -58,17 +59,17 @@ class TritonOps:
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
         k = x.shape[-1]
-        if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k):
-            return wk.moe_gate_up_w(w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out)
+        if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
+            return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out)
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False) -> torch.Tensor:
         if h_perm:
-            if not self.perm(qtype, h.shape[-1]):
+            if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
-            return wk.moe_down_w(w_down, h, ids, weights, residual, out)
+            return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
         return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)

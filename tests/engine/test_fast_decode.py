@@ -22,7 +22,7 @@ class PermutingTorchOps(TorchOps):
     any type): runs the step's permuted wiring (rms_norm copies, x_perm, h written and read permuted) on the CPU."""
 
     @staticmethod
-    def perm(qtype: int, k: int) -> bool:
+    def perm(qtype: int, k: int, kind: str | None = None) -> bool:
         return k % 256 == 0
 
 N_STEPS = 24

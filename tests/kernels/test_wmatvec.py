@@ -1,4 +1,4 @@
-"""Q4_K word kernels (kernels/triton/wmatvec.py) vs `dequantize(...) @ x` in float64, on fresh random blocks.
+"""Q4_K and Q6_K word kernels (kernels/triton/wmatvec.py) vs `dequantize(...) @ x` in float64, on fresh random blocks.
 
 Also the permuted activations they read: permute_k4 / unpermute_k4, rms_norm's permuted copy and the byte
 kernel's gate/up writing h permuted. CUDA when available, else Triton's interpreter (set before import).
@@ -25,7 +25,8 @@ from moerun.kernels.triton import qmatvec as qk  # noqa: E402
 from moerun.kernels.triton import wmatvec as wk  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-Q4_K = int(T.Q4_K)
+Q4_K, Q6_K = int(T.Q4_K), int(T.Q6_K)
+WORDS = [T.Q4_K, T.Q6_K]
 TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(8, 1, 2, 2)]  # default, and odd combinations
 
 
@@ -38,15 +39,19 @@ def test_permutation() -> None:
 
 
 def test_supports() -> None:
-    assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q6_K), 2048)
+    assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q8_0), 2048)
+    assert wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "mv") and not wk.supports(Q6_K, 2048, "gate_up")
+    assert wk.WORD_TYPES == {Q4_K, Q6_K}
 
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
 @pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
-def test_qmatvec_w(m, n_sb, res, tile, device, rng) -> None:
+@pytest.mark.parametrize("qtype", WORDS, ids=lambda t: t.name)
+def test_qmatvec_w(qtype, m, n_sb, res, tile, device, rng) -> None:
+    """Q6_K with an odd block count (n_sb 1, 3) puts odd rows at 2-byte offsets; an even one keeps all aligned."""
     gen, seed = rng
     k = 256 * n_sb
-    raw, dense = quant_weights(Q4_K, (m,), k, gen, device)
+    raw, dense = quant_weights(int(qtype), (m,), k, gen, device)
     x = vec(gen, k)
     ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
     out = torch.full((m,), float("nan"), device=device)
@@ -56,9 +61,9 @@ def test_qmatvec_w(m, n_sb, res, tile, device, rng) -> None:
         out.copy_(r.to(device))
         residual = out
         ref, bound = ref + r.double(), bound + r.double().abs()
-    got = wk.qmatvec_w(raw, permute_k4(x).to(device), out, residual, tile=tile)
+    got = wk.KERNELS["mv"][int(qtype)](raw, permute_k4(x).to(device), out, residual, tile=tile)
     assert got is out
-    check_bound(out, ref, bound, seed, f"qmatvec_w M={m} K={k} tile={tile}")
+    check_bound(out, ref, bound, seed, f"{qtype.name} matvec M={m} K={k} tile={tile}")
 
 
 @pytest.mark.parametrize(
@@ -92,10 +97,11 @@ def test_moe_gate_up_w_perm_out_needs_whole_blocks(device) -> None:
 
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
-def test_moe_down_w(tile, device, rng) -> None:
+@pytest.mark.parametrize("qtype,f", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q6_K, 512)], ids=str)
+def test_moe_down_w(qtype, f, tile, device, rng) -> None:
     gen, seed = rng
-    e, n, f = 5, 37, 3 * 256
-    w, dw = quant_weights(Q4_K, (e, n), f, gen, device)
+    e, n = 5, 37
+    w, dw = quant_weights(int(qtype), (e, n), f, gen, device)
     for ids_list, dtype in [([3, 0, 3], torch.int32), ([1], torch.int64)]:
         n_sel = len(ids_list)
         ids = torch.tensor(ids_list, dtype=dtype)
@@ -107,16 +113,24 @@ def test_moe_down_w(tile, device, rng) -> None:
         ref = r.double() + (wts.double()[:, None] * parts).sum(0)
         bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
         out = r.to(device)  # out aliases residual
-        wk.moe_down_w(w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out, tile=tile)
-        check_bound(out, ref, bound, seed, f"down_w ids={ids_list} tile={tile}")
+        wk.KERNELS["down"][int(qtype)](w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out,
+                                       tile=tile)
+        check_bound(out, ref, bound, seed, f"{qtype.name} down ids={ids_list} F={f} tile={tile}")
 
 
-def test_deterministic(device, rng) -> None:
+@pytest.mark.parametrize("qtype", WORDS, ids=lambda t: t.name)
+def test_deterministic(qtype, device, rng) -> None:
     gen, _ = rng
-    raw, _ = quant_weights(Q4_K, (130,), 512, gen, device)
+    raw, _ = quant_weights(int(qtype), (130,), 512, gen, device)
     xp = permute_k4(vec(gen, 512)).to(device)
-    assert torch.equal(wk.qmatvec_w(raw, xp, torch.empty(130, device=device)),
-                       wk.qmatvec_w(raw, xp, torch.empty(130, device=device)))
+    mv = wk.KERNELS["mv"][int(qtype)]
+    assert torch.equal(mv(raw, xp, torch.empty(130, device=device)), mv(raw, xp, torch.empty(130, device=device)))
+
+
+def test_q6k_rows_checked(device) -> None:
+    w = torch.zeros(4, 211, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="210-byte rows"):
+        wk.qmatvec_w6(w, torch.zeros(256, device=device), torch.zeros(4, device=device))
 
 
 def test_rms_norm_perm(device, rng) -> None:
@@ -139,14 +153,3 @@ def test_byte_gate_up_perm_out(qtype, device, rng) -> None:
     perm = qk.moe_gate_up(wg, wu, int(qtype), int(qtype), x, ids, torch.empty(2, 256, device=device), perm_out=True)
     assert torch.equal(perm.cpu(), permute_k4(plain.cpu()))
 
-
-@pytest.mark.parametrize("m,n_sb,tile", [(37, 3, wk.WTile(4, 1)), (5, 2, wk.WTile(2, 2)), (9, 4, None)], ids=str)
-def test_qmatvec_w6(m, n_sb, tile, device, rng) -> None:
-    """Q6_K words (work in progress): odd block counts put odd rows at 2-byte offsets."""
-    gen, seed = rng
-    k = 256 * n_sb
-    raw, dense = quant_weights(int(T.Q6_K), (m,), k, gen, device)
-    x = vec(gen, k)
-    out = torch.full((m,), float("nan"), device=device)
-    wk.qmatvec_w6(raw, permute_k4(x).to(device), out, tile=tile)
-    check_bound(out, dense @ x.double(), dense.abs() @ x.double().abs(), seed, f"qmatvec_w6 M={m} K={k}")

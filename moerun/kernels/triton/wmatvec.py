@@ -1,4 +1,4 @@
-"""Q4_K matvec kernels for batch-1 decode that read the blocks as 32-bit words (Triton).
+"""Q4_K and Q6_K matvec kernels for batch-1 decode that read the blocks as 32-bit words (Triton).
 
 The faster twin of qmatvec.py's Q4_K path (benchmarks/NOTES.md section 7): same products, same GGUF bytes,
 but shaped after what the sm_90 code of qmatvec's byte decoders spent its time on (~25 instructions per
@@ -25,12 +25,16 @@ Q4_K block = 36 words: w0 = d | dmin << 16 (f16 bits), w1..w3 = the 12 scale byt
                    of a word-kernel down product)
 - `moe_down_w`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), h permuted
 
+Q6_K (matvec `qmatvec_w6` and `moe_down_w6`, the types of a Q4_K_M file's output matrix, attn_v and half
+its down matrices) follows the same plan; its layout is described at its section below.
+
 All take x (or h) permuted, K a multiple of 256, and accumulate in float32 in a fixed order (no atomics:
 bit-identical run to run). No allocation, no host sync: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -40,8 +44,7 @@ import triton.language as tl
 from moerun.kernels.torch_ops import permute_k4
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
-Q4_K = 12
-WORD_TYPES: frozenset[int] = frozenset({Q4_K})  # GGML types these kernels read
+Q4_K, Q6_K = 12, 14
 # f = 1 + q/16: mask of mantissa bits 19-22 and the bits of 1.0f, passed as runtime arguments so the and-or
 # compiles to one 3-input LOP3 (as immediates ptxas emits two instructions)
 FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
@@ -63,7 +66,7 @@ MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate
 # PROGRAMS_PER_SM one-warp programs per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes,
 # NOTES.md 7): 2 rows best for the 2048-row attention matrices (4.35 us vs 4.81 at 1), for down (11.3 vs
 # 13.7) and for gate/up (13.2 vs 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
-MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4}
+MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4, "mv6": 4, "down6": 4}  # mv6/down6: Q6_K, not yet measured
 PROGRAMS_PER_SM = 4
 
 
@@ -90,9 +93,11 @@ def wtile_for(kind: str, m: int, k: int, n_rows: int, device: torch.device, tile
     return t._replace(nb=_fit_nb(t.nb, k // 256))
 
 
-def supports(qtype: int, k: int) -> bool:
-    """True when the word kernels take a [*, K] matrix of this type."""
-    return qtype in WORD_TYPES and k % 256 == 0
+def supports(qtype: int, k: int, kind: str | None = None) -> bool:
+    """True when a word kernel takes a [*, K] matrix of this type (for product `kind`: "mv", "gate_up" or
+    "down"; None: for some product)."""
+    kinds = [kind] if kind else list(KERNELS)
+    return k % 256 == 0 and any(qtype in KERNELS[kd] for kd in kinds)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -352,20 +357,17 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
     return out
 
 
-__all__ = ["WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_gate_up_w", "permute_k4", "qmatvec_w",
-           "supports", "wtile_for"]
 
 
-# ------------------------------------------------------------------------------ Q6_K (work in progress)
+# ---------------------------------------------------------------------------------------------------- Q6_K
 # Q6_K block = 210 bytes = 105 halfwords: ql hw 0..63, qh hw 64..95, scales (int8) bytes 192..207, d hw 104.
-# Blocks are only 2-byte aligned (210 b), so 32-bit words are assembled from two halfword loads.
 # ql word t = 16h + tt (h < 2, tt < 16), byte k, nibble n (0 low, 1 high) holds the low 4 bits of weight
 # 128h + 64n + 4tt + k (sub-block 8h + 4n + tt // 4); its 2 high bits sit in qh word 8h + tt % 8 at bit
 # 8k + 4n + 2 (tt // 8). After permute_k4 its x is at slot 64k + 32h + 16n + tt.
 # q (6 bits) becomes f = 1 + q / 64 (bits 17-22 under the exponent of 1.0), and per word
 # sum_k d sc (q_k - 32) x_k = d sc (64 sum_k f_k x_k - 96 sum_k x_k).
-
-Q6_K = 14
+# Blocks are only 2-byte aligned (every other block starts at an odd halfword), so each word is assembled from
+# the two words around it (a 16-bit funnel shift) where needed.
 
 
 @triton.jit
@@ -432,52 +434,127 @@ def _q6k_row_step(wp, hp, bp, off, ok, kb, xs, xs_lo, xs_hi, scale, acc, NB: tl.
 
 
 @triton.jit
-def _wmv6_kernel(w_ptr, h_ptr, b_ptr, x_ptr, res_ptr, out_ptr, M,
-                 N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
-    """Grid (cdiv(M, R),). The matrix's bytes as int32 words (w, the whole words), int16 (h) and int8 (b);
-    rows of 105 N_BLOCKS halfwords; x: permuted f32. A program's first row starts at an even halfword, so
-    its halfword offsets are taken from the even base (row0 * SH rounded down) and keep their parity."""
-    SH: tl.constexpr = 105 * N_BLOCKS  # halfwords per row
-    row0 = tl.program_id(0) * R
-    start = row0.to(tl.int64) * SH
-    base = start - (start & 1)  # even: a word boundary
-    wp = w_ptr + base // 2
-    hp = h_ptr + base
-    bp = b_ptr + 2 * base
-    lead = (start & 1).to(tl.int32)
-    accs = ()
-    for _r in tl.static_range(R):
-        accs = accs + (tl.zeros([NB, 2, 16], dtype=tl.float32),)
+def _q6k_base(w32_ptr, w16_ptr, w8_ptr, start):
+    """Views of the rows from halfword `start` (int64) on: int32, int16 and int8 pointers at the word
+    boundary at or below it, and start's offset from that boundary (0 or 1) as int32."""
+    base = start - (start & 1)
+    return w32_ptr + base // 2, w16_ptr + base, w8_ptr + 2 * base, (start & 1).to(tl.int32)
+
+
+@triton.jit
+def _q6k_rows_dot(wp, hp, bp, lead, row0, M, x_ptr, scale, accs,
+                  N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """accs[r] ([NB, 2, 16] each) += row row0 + r's products with x over all K (rows of 105 N_BLOCKS
+    halfwords from the views, the first at halfword `lead`)."""
+    SH: tl.constexpr = 105 * N_BLOCKS
     for kb in range(0, N_BLOCKS, NB):
         xs, xs_lo, xs_hi = _q6k_x_tiles(x_ptr, kb, NB)
         new = ()
         for r in tl.static_range(R):
-            new = new + (_q6k_row_step(wp, hp, bp, lead + r * SH, row0 + r < M, kb, xs, xs_lo, xs_hi, 1.0,
+            new = new + (_q6k_row_step(wp, hp, bp, lead + r * SH, row0 + r < M, kb, xs, xs_lo, xs_hi, scale,
                                        accs[r], NB),)
         accs = new
+    return accs
+
+
+@triton.jit
+def _q6k_zeros(R: tl.constexpr, NB: tl.constexpr):
+    accs = ()
+    for _r in tl.static_range(R):
+        accs = accs + (tl.zeros([NB, 2, 16], dtype=tl.float32),)
+    return accs
+
+
+@triton.jit
+def _sum3(acc):
+    return tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0)
+
+
+@triton.jit
+def _wmv6_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M,
+                 N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
+    """Grid (cdiv(M, R),). The matrix as int32 / int16 / int8 views of its bytes; x: permuted f32 [K]."""
+    row0 = tl.program_id(0) * R
+    wp, hp, bp, lead = _q6k_base(w32_ptr, w16_ptr, w8_ptr, row0.to(tl.int64) * (105 * N_BLOCKS))
+    accs = _q6k_rows_dot(wp, hp, bp, lead, row0, M, x_ptr, 1.0, _q6k_zeros(R, NB), N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
-        v = tl.sum(tl.sum(tl.sum(accs[r], axis=2), axis=1), axis=0)
+        v = _sum3(accs[r])
         if HAS_RES:
             v += tl.load(res_ptr + row, mask=row < M, other=0.0)
         tl.store(out_ptr + row, v, mask=row < M)
 
 
+@triton.jit
+def _wdown6_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h,
+                   N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """Grid (cdiv(N, R),). Experts [E, N, 105 N_BLOCKS halfwords] (stride_e in halfwords), h: permuted f32
+    [n_sel, F]; the routing weight folded into the scales, experts summed in order 0 .. n_sel-1."""
+    row0 = tl.program_id(0) * R
+    accs = _q6k_zeros(R, NB)
+    for i in range(N_SEL):
+        eid = tl.load(ids_ptr + i).to(tl.int64)
+        wp, hp, bp, lead = _q6k_base(w32_ptr, w16_ptr, w8_ptr, eid * stride_e + row0.to(tl.int64) * (105 * N_BLOCKS))
+        accs = _q6k_rows_dot(wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs,
+                             N_BLOCKS, R, NB)
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _sum3(accs[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < N)
+
+
+def _q6k_views(w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 / int16 / int8 views of Q6_K rows (uint8 [..., 210 K / 256], contiguous, 4-byte aligned start)."""
+    if k % 256 or w.shape[-1] != 210 * (k // 256) or not w.is_contiguous():
+        raise ValueError(f"Q6_K rows must be contiguous {210 * (k // 256)}-byte rows for K = {k}, "
+                         f"got shape {tuple(w.shape)} strides {w.stride()}")
+    if w.data_ptr() % 4:
+        raise ValueError("Q6_K weights must start at a 4-byte aligned address")
+    flat = w.reshape(-1)
+    # whole words only: the last 2 bytes (an odd block's d, read as a halfword) may be left out of the int32 view
+    return flat[: flat.numel() // 4 * 4].view(torch.int32), flat.view(torch.int16), flat.view(torch.int8)
+
+
 def qmatvec_w6(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
                *, tile: WTile | None = None) -> torch.Tensor:
-    """out[M] = W[M, K] @ x[K] (+ residual) for a Q6_K matrix (work in progress: not wired into TritonOps).
+    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q6_K matrix.
 
     w: uint8 [M, 210 K / 256] rows contiguous; xp: f32 [K] in permute_k4 order; out/residual f32 [M]."""
     m, k = w.shape[0], xp.shape[0]
-    if w.shape[-1] != 210 * (k // 256) or k % 256:
-        raise ValueError(f"Q6_K rows must be {210 * (k // 256)} bytes for K = {k}, got {tuple(w.shape)}")
-    t = wtile_for("mv", m, k, m, w.device, tile)
-    flat = w.reshape(-1)
-    words = flat[: flat.numel() // 4 * 4].view(torch.int32)  # whole words (the last 2 bytes may be left out:
-    # only an odd block's d lives there, read as a halfword)
+    w32, w16, w8 = _q6k_views(w, k)
+    t = wtile_for("mv6", m, k, m, w.device, tile)
     _wmv6_kernel[(triton.cdiv(m, t.rows),)](
-        words, w.view(torch.int16), w.view(torch.int8), xp, out if residual is None else residual, out, m,
+        w32, w16, w8, xp, out if residual is None else residual, out, m,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
+
+
+def moe_down_w6(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q6_K experts, summed in order.
+
+    w_down: uint8 [E, N, 210 F / 256]; hp: f32 [n_sel, F], rows in permute_k4 order; ids: int [n_sel];
+    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual). Returns out."""
+    n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
+    w32, w16, w8 = _q6k_views(w_down, f)
+    t = wtile_for("down6", n, f, n, w_down.device, tile)
+    _wdown6_kernel[(triton.cdiv(n, t.rows),)](
+        w32, w16, w8, hp, ids, weights, residual, out, n, w_down.stride(0) // 2, hp.stride(0),
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+# product kind -> GGML type -> word kernel (TritonOps dispatches through this table)
+KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
+    "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6},
+    "gate_up": {Q4_K: moe_gate_up_w},
+    "down": {Q4_K: moe_down_w, Q6_K: moe_down_w6},
+}
+WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
+
+__all__ = ["KERNELS", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_gate_up_w", "permute_k4",
+           "qmatvec_w", "qmatvec_w6", "supports", "wtile_for"]
