@@ -110,17 +110,15 @@ class Case:
                 for w, _, i in self.launches]
 
     def wfns(self, tile: W.WTile | None) -> list[Callable[[], object]]:
-        """The word kernels (Q4_K) on the same launches; x permuted once outside the timed region."""
+        """The word kernels (Q4_K, Q6_K) on the same launches; x permuted once outside the timed region."""
         xp = permute_k4(self.x)
-        if self.kind == "mv" and self.qtype == W.Q6_K:
-            return [lambda w=w: W.qmatvec_w6(w, xp, self.out, self.res, tile=tile) for w in self.ws]
+        fn = W.KERNELS[self.kind][self.qtype]
         if self.kind == "mv":
-            return [lambda w=w: W.qmatvec_w(w, xp, self.out, self.res, tile=tile) for w in self.ws]
+            return [lambda w=w: fn(w, xp, self.out, self.res, tile=tile) for w in self.ws]
         if self.kind == "gate_up":
-            return [lambda w=w, w2=w2, i=i: W.moe_gate_up_w(w, w2, xp, i, self.out, "silu", perm_out=True, tile=tile)
+            return [lambda w=w, w2=w2, i=i: fn(w, w2, xp, i, self.out, "silu", perm_out=True, tile=tile)
                     for w, w2, i in self.launches]
-        return [lambda w=w, i=i: W.moe_down_w(w, xp, i, self.wts, self.res, self.out, tile=tile)
-                for w, _, i in self.launches]
+        return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in self.launches]
 
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
         """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
@@ -139,8 +137,8 @@ class Case:
 
 
 def has_words(qtype: int, kind: str) -> bool:
-    """Whether a word kernel exists for this type and kind (Q6_K: the matvec only, so far)."""
-    return qtype in W.WORD_TYPES or (qtype == W.Q6_K and kind == "mv")
+    """Whether a word kernel exists for this type and kind of product."""
+    return qtype in W.KERNELS[kind]
 
 
 def candidate_tiles(case: Case) -> list[Q.Tile]:
