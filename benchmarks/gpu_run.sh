@@ -60,7 +60,7 @@ for stage in "$@"; do
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
       timeout 300 python3 -m pytest -q -x tests/kernels/test_wmatvec.py tests/kernels/test_qmatvec.py 2>&1 | tail -2 \
         | tee -a "$LOG"
-      timeout 300 python3 benchmarks/bench_qmatvec.py --types q4_k ${WTILES:+--wtiles "$WTILES"} 2>&1 | tee -a "$LOG"
+      timeout 300 python3 benchmarks/bench_qmatvec.py --types ${WTYPES:-q4_k} ${WTILES:+--wtiles "$WTILES"} 2>&1 | tee -a "$LOG"
       timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
       for ops in triton triton-bytes; do
         timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager --ops $ops 2>&1 | grep -v "loading to" \
