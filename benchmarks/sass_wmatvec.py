@@ -1,6 +1,6 @@
-"""Static SASS of the Q4_K word kernels (kernels/triton/wmatvec.py) for sm_90, without a GPU.
+"""Static SASS of the Q4_K and Q6_K word kernels (kernels/triton/wmatvec.py) for sm_90, without a GPU.
 
-    python benchmarks/sass_wmatvec.py [--tiles 2x4x1x2,4x4x1x2] [--kinds mv,gate_up,down]
+    python benchmarks/sass_wmatvec.py [--tiles 2x4x1x2,4x4x1x2] [--kinds mv,gate_up,down,mv6,down6]
 
 The wrappers are called at OLMoE sizes on CPU tensors with the kernel replaced by a recorder; the launch
 is specialised as Triton's launcher would and compiled for sm_90 with Triton's bundled ptxas (helpers
@@ -22,13 +22,23 @@ from moerun.kernels.triton import wmatvec as wk
 from moerun.quant import random_blocks
 
 N, F, E, TOPK = 2048, 1024, 64, 8
-KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel"}
+KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
+           "down6": "_wdown6_kernel"}  # mv6 / down6: Q6_K
+
+
+def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
+    *lead, k = lead_k
+    n = int(np.prod(lead))
+    raw = random_blocks(qtype, n * k // 256, np.random.default_rng(0))
+    return torch.from_numpy(raw).reshape(*lead, k // 256 * size)
 
 
 def _q4k(*lead_k: int) -> torch.Tensor:
-    *lead, k = lead_k
-    n = int(np.prod(lead))
-    return torch.from_numpy(random_blocks(12, n * k // 256, np.random.default_rng(0))).reshape(*lead, k // 256 * 144)
+    return _blocks(12, 144, *lead_k)
+
+
+def _q6k(*lead_k: int) -> torch.Tensor:
+    return _blocks(14, 210, *lead_k)
 
 
 def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
@@ -41,6 +51,11 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     try:
         if kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "mv6":
+            wk.qmatvec_w6(_q6k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "down6":
+            wk.moe_down_w6(_q6k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
+                           torch.empty(N), tile=tile)
         elif kind == "gate_up":
             w = _q4k(E, F, N)
             wk.moe_gate_up_w(w, w, torch.zeros(N), ids, torch.empty(TOPK, F), perm_out=True, tile=tile)
