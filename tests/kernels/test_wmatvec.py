@@ -1,4 +1,5 @@
-"""Q4_K and Q6_K word kernels (kernels/triton/wmatvec.py) vs `dequantize(...) @ x` in float64, on fresh random blocks.
+"""Q4_K, Q6_K and Q8_0 word kernels (kernels/triton/wmatvec.py) vs `dequantize(...) @ x` in float64, on fresh
+random blocks.
 
 Also the permuted activations they read: permute_k4 / unpermute_k4, rms_norm's permuted copy and the byte
 kernel's gate/up writing h permuted. CUDA when available, else Triton's interpreter (set before import).
@@ -25,8 +26,8 @@ from moerun.kernels.triton import qmatvec as qk  # noqa: E402
 from moerun.kernels.triton import wmatvec as wk  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-Q4_K, Q6_K = int(T.Q4_K), int(T.Q6_K)
-WORDS = [T.Q4_K, T.Q6_K]
+Q4_K, Q6_K, Q8_0 = int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)
+WORDS = [T.Q4_K, T.Q6_K, T.Q8_0]
 TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(8, 1, 2, 2)]  # default, and odd combinations
 
 
@@ -39,9 +40,9 @@ def test_permutation() -> None:
 
 
 def test_supports() -> None:
-    assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q8_0), 2048)
-    assert wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "mv") and not wk.supports(Q6_K, 2048, "gate_up")
-    assert wk.WORD_TYPES == {Q4_K, Q6_K}
+    assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q5_K), 2048)
+    assert wk.supports(Q8_0, 2048, "down") and not wk.supports(Q8_0, 2048 + 32, "mv")
+    assert wk.WORD_TYPES == {Q4_K, Q6_K, Q8_0}
 
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
@@ -69,11 +70,12 @@ def test_qmatvec_w(qtype, m, n_sb, res, tile, device, rng) -> None:
 @pytest.mark.parametrize(
     "perm_out,tile", [(False, t) for t in TILES] + [(True, None), (True, wk.WTile(8, 1))], ids=str
 )
-def test_moe_gate_up_w(perm_out, tile, device, rng) -> None:
+@pytest.mark.parametrize("qtype", WORDS, ids=lambda t: t.name)
+def test_moe_gate_up_w(qtype, perm_out, tile, device, rng) -> None:
     gen, seed = rng
-    e, f, k = (5, 256, 256) if perm_out else (5, 37, 512)  # perm_out: whole blocks of rows (few, interpreted)
-    wg, dg = quant_weights(Q4_K, (e, f), k, gen, device)
-    wu, du = quant_weights(Q4_K, (e, f), k, gen, device)
+    e, f, k = (5, 256, 256) if perm_out else (5, 37, 768)  # perm_out: whole blocks of rows (few, interpreted)
+    wg, dg = quant_weights(int(qtype), (e, f), k, gen, device)
+    wu, du = quant_weights(int(qtype), (e, f), k, gen, device)
     x = vec(gen, k)
     xd = x.double()
     cases = [([4, 1, 4], "silu", torch.int64), ([2], "gelu_tanh", torch.int32)]
@@ -84,20 +86,23 @@ def test_moe_gate_up_w(perm_out, tile, device, rng) -> None:
         ref = a * u
         bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
         out = torch.full((len(ids_list), f), float("nan"), device=device)
-        wk.moe_gate_up_w(wg, wu, permute_k4(x).to(device), ids.to(device), out, act, perm_out=perm_out, tile=tile)
+        wk.KERNELS["gate_up"][int(qtype)](wg, wu, permute_k4(x).to(device), ids.to(device), out, act,
+                                          perm_out=perm_out, tile=tile)
         got = unpermute_k4(out.cpu()) if perm_out else out
-        check_bound(got, ref, bound, seed, f"gate_up_w ids={ids_list} {act} perm_out={perm_out} tile={tile}")
+        check_bound(got, ref, bound, seed, f"{qtype.name} gate_up ids={ids_list} {act} perm_out={perm_out} tile={tile}")
 
 
-def test_moe_gate_up_w_perm_out_needs_whole_blocks(device) -> None:
-    w = torch.zeros(2, 37, 144, dtype=torch.uint8, device=device)
+@pytest.mark.parametrize("qtype,size", [(T.Q4_K, 144), (T.Q8_0, 272)], ids=str)
+def test_moe_gate_up_w_perm_out_needs_whole_blocks(qtype, size, device) -> None:
+    w = torch.zeros(2, 37, size, dtype=torch.uint8, device=device)
     with pytest.raises(ValueError, match="F % 256"):
-        wk.moe_gate_up_w(w, w, torch.zeros(256, device=device), torch.zeros(1, dtype=torch.int32, device=device),
-                         torch.zeros(1, 37, device=device), perm_out=True)
+        wk.KERNELS["gate_up"][int(qtype)](w, w, torch.zeros(256, device=device),
+                                          torch.zeros(1, dtype=torch.int32, device=device),
+                                          torch.zeros(1, 37, device=device), perm_out=True)
 
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
-@pytest.mark.parametrize("qtype,f", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q6_K, 512)], ids=str)
+@pytest.mark.parametrize("qtype,f", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q6_K, 512), (T.Q8_0, 768)], ids=str)
 def test_moe_down_w(qtype, f, tile, device, rng) -> None:
     gen, seed = rng
     e, n = 5, 37
@@ -127,10 +132,11 @@ def test_deterministic(qtype, device, rng) -> None:
     assert torch.equal(mv(raw, xp, torch.empty(130, device=device)), mv(raw, xp, torch.empty(130, device=device)))
 
 
-def test_q6k_rows_checked(device) -> None:
-    w = torch.zeros(4, 211, dtype=torch.uint8, device=device)
-    with pytest.raises(ValueError, match="210-byte rows"):
-        wk.qmatvec_w6(w, torch.zeros(256, device=device), torch.zeros(4, device=device))
+@pytest.mark.parametrize("qtype,size", [(T.Q6_K, 210), (T.Q8_0, 272)], ids=str)
+def test_rows_checked(qtype, size, device) -> None:
+    w = torch.zeros(4, size + 1, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=f"{qtype.name} rows must be contiguous {size}-byte rows"):
+        wk.KERNELS["mv"][int(qtype)](w, torch.zeros(256, device=device), torch.zeros(4, device=device))
 
 
 def test_rms_norm_perm(device, rng) -> None:

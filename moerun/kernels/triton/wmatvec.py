@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K matvec kernels for batch-1 decode that read the blocks as 32-bit words (Triton).
+"""Q4_K, Q6_K and Q8_0 matvec kernels for batch-1 decode that read the blocks as 32-bit words (Triton).
 
 The faster twin of qmatvec.py's Q4_K path (benchmarks/NOTES.md section 7): same products, same GGUF bytes,
 but shaped after what the sm_90 code of qmatvec's byte decoders spent its time on (~25 instructions per
@@ -25,8 +25,8 @@ Q4_K block = 36 words: w0 = d | dmin << 16 (f16 bits), w1..w3 = the 12 scale byt
                    of a word-kernel down product)
 - `moe_down_w`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), h permuted
 
-Q6_K (matvec `qmatvec_w6` and `moe_down_w6`, the types of a Q4_K_M file's output matrix, attn_v and half
-its down matrices) follows the same plan; its layout is described at its section below.
+Q6_K (a Q4_K_M file's output matrix, attn_v and half its down matrices) and Q8_0 follow the same plan with
+one accumulator tile per row (`*_w6`, `*_w8`; their layouts are described at their section below).
 
 All take x (or h) permuted, K a multiple of 256, and accumulate in float32 in a fixed order (no atomics:
 bit-identical run to run). No allocation, no host sync: capturable in a CUDA graph.
@@ -35,6 +35,7 @@ bit-identical run to run). No allocation, no host sync: capturable in a CUDA gra
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -66,7 +67,7 @@ MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate
 # PROGRAMS_PER_SM one-warp programs per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes,
 # NOTES.md 7): 2 rows best for the 2048-row attention matrices (4.35 us vs 4.81 at 1), for down (11.3 vs
 # 13.7) and for gate/up (13.2 vs 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
-MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4, "mv6": 4, "down6": 4}  # mv6/down6: Q6_K, not yet measured
+MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4}  # measured for Q4_K; Q6_K and Q8_0 use the same (unmeasured)
 PROGRAMS_PER_SM = 4
 
 
@@ -359,15 +360,26 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
 
 
 
-# ---------------------------------------------------------------------------------------------------- Q6_K
+# ------------------------------------------------------------------------------------------ Q6_K and Q8_0
+# Both accumulate one tile per row: sum over a word's weights of q * x, times the word's scale.
+#
 # Q6_K block = 210 bytes = 105 halfwords: ql hw 0..63, qh hw 64..95, scales (int8) bytes 192..207, d hw 104.
 # ql word t = 16h + tt (h < 2, tt < 16), byte k, nibble n (0 low, 1 high) holds the low 4 bits of weight
 # 128h + 64n + 4tt + k (sub-block 8h + 4n + tt // 4); its 2 high bits sit in qh word 8h + tt % 8 at bit
-# 8k + 4n + 2 (tt // 8). After permute_k4 its x is at slot 64k + 32h + 16n + tt.
-# q (6 bits) becomes f = 1 + q / 64 (bits 17-22 under the exponent of 1.0), and per word
-# sum_k d sc (q_k - 32) x_k = d sc (64 sum_k f_k x_k - 96 sum_k x_k).
+# 8k + 4n + 2 (tt // 8). After permute_k4 its x is at slot 64k + 32h + 16n + tt. q (6 bits) becomes
+# f = 1 + q / 64 (bits 17-22 under the exponent of 1.0): sum_k d sc (q_k - 32) x_k = d sc (64 sum f x - 96 sum x).
 # Blocks are only 2-byte aligned (every other block starts at an odd halfword), so each word is assembled from
-# the two words around it (a 16-bit funnel shift) where needed.
+# the two words around it (a 16-bit funnel shift) where needed; offsets count halfwords (105 per block).
+#
+# Q8_0 blocks (34 bytes: d f16, q[32] int8) are read in 256-weight groups of 8 blocks = 68 words (rows of
+# K % 256 == 0 are word multiples); block pair p of a group is the 17 words W[17p ..]: W0 = d0 | q0[0:2] << 16,
+# W1..W7 = q0[2:30], W8 = q0[30:32] | d1 << 16, W9..W16 = q1. Weight 64p + 32h + 4i + k (h: block of the
+# pair, i < 8, k < 4) is byte k of word i of block h, which for h = 0 straddles W[i] (bytes 2, 3) and W[i+1]
+# (bytes 0, 1); after permute_k4 its x is at slot 64k + 16p + 8h + i. Bytes become floats by I2F.S8, which
+# reads the byte in place. Offsets count words (68 per group).
+Q8_0 = 8
+GROUP_UNITS = {Q6_K: 105, Q8_0: 68}  # offset units (Q6_K halfwords, Q8_0 words) per 256 weights
+ROW_BYTES = {Q6_K: 210, Q8_0: 272}  # bytes per 256 weights
 
 
 @triton.jit
@@ -396,20 +408,37 @@ def _f6(ql, vs, P: tl.constexpr):
 
 
 @triton.jit
-def _q6k_x_tiles(x_ptr, kb, NB: tl.constexpr):
-    """Permuted x of blocks kb.. as 8 tiles [NB, 2, 16] (position 2k + n) and per-word sums over k per n."""
-    blk = kb + tl.arange(0, NB)
-    xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
-    xs = ()
-    for p in tl.static_range(8):
-        xs = xs + (tl.load(x_ptr + xo + 64 * (p // 2) + 16 * (p % 2)),)
-    return xs, xs[0] + xs[2] + xs[4] + xs[6], xs[1] + xs[3] + xs[5] + xs[7]
+def _i8f(x, sh: tl.constexpr):
+    """The signed byte at bit sh of int32 words x, as float32."""
+    return (x >> sh).to(tl.int8).to(tl.float32)
 
 
 @triton.jit
-def _q6k_row_step(wp, hp, bp, off, ok, kb, xs, xs_lo, xs_hi, scale, acc, NB: tl.constexpr):
-    """One row's blocks kb..: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble.
+def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
+    """Permuted x of groups kb .. kb+NB-1 as the type's tiles: 8 tiles (index 2k + n) and, for Q6_K, the
+    per-word sums of x of the low and high nibbles (zeros for Q8_0)."""
+    blk = kb + tl.arange(0, NB)
+    xs = ()
+    if QT == 14:  # [NB, 2 (h), 16 (tt)] at 64k + 32h + 16n + tt
+        xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+        for j in tl.static_range(8):
+            xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 16 * (j % 2)),)
+        lo = xs[0] + xs[2] + xs[4] + xs[6]
+        hi = xs[1] + xs[3] + xs[5] + xs[7]
+    else:  # [NB, 4 (p), 8 (i)] at 64k + 16p + 8h + i
+        xo = blk[:, None, None] * 256 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        for j in tl.static_range(8):
+            xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 8 * (j % 2)),)
+        lo = 0.0
+        hi = 0.0
+    return xs, lo, hi
+
+
+@triton.jit
+def _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+    """One Q6_K row's groups kb..: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble.
     off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at 2 off)."""
+    xs, xs_lo, xs_hi = xt
     blk = kb + tl.arange(0, NB)
     bo = off + blk * 105  # [NB] first halfword of each block
     h = tl.arange(0, 2)[None, :, None]
@@ -434,34 +463,52 @@ def _q6k_row_step(wp, hp, bp, off, ok, kb, xs, xs_lo, xs_hi, scale, acc, NB: tl.
 
 
 @triton.jit
-def _q6k_base(w32_ptr, w16_ptr, w8_ptr, start):
-    """Views of the rows from halfword `start` (int64) on: int32, int16 and int8 pointers at the word
-    boundary at or below it, and start's offset from that boundary (0 or 1) as int32."""
-    base = start - (start & 1)
-    return w32_ptr + base // 2, w16_ptr + base, w8_ptr + 2 * base, (start & 1).to(tl.int32)
+def _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+    """One Q8_0 row's groups kb..: acc [NB, 4, 8] += d0 sum_k q0 x + d1 sum_k q1 x per word position.
+    off: the row's first word from wp."""
+    xs, _lo, _hi = xt
+    go = off + (kb + tl.arange(0, NB)) * 68  # [NB] first word of each group
+    pw = go[:, None, None] + 17 * tl.arange(0, 4)[None, :, None]  # [NB, 4, 1] block pair starts
+    i = tl.arange(0, 8)[None, None, :]
+    a = tl.load(wp + pw + i, mask=ok, other=0)  # W[i]     [NB, 4, 8]
+    b = tl.load(wp + pw + i + 1, mask=ok, other=0)  # W[i + 1]
+    c = tl.load(wp + pw + 9 + i, mask=ok, other=0)  # W[9 + i]: block 1
+    p0 = _i8f(a, 16) * xs[0] + _i8f(a, 24) * xs[2] + _i8f(b, 0) * xs[4] + _i8f(b, 8) * xs[6]
+    p1 = _i8f(c, 0) * xs[1] + _i8f(c, 8) * xs[3] + _i8f(c, 16) * xs[5] + _i8f(c, 24) * xs[7]
+    d0 = _half(tl.load(wp + pw, mask=ok, other=0)) * scale  # [NB, 4, 1]
+    d1 = _half(tl.load(wp + pw + 8, mask=ok, other=0) >> 16) * scale
+    return acc + d0 * p0 + d1 * p1
 
 
 @triton.jit
-def _q6k_rows_dot(wp, hp, bp, lead, row0, M, x_ptr, scale, accs,
-                  N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
-    """accs[r] ([NB, 2, 16] each) += row row0 + r's products with x over all K (rows of 105 N_BLOCKS
-    halfwords from the views, the first at halfword `lead`)."""
-    SH: tl.constexpr = 105 * N_BLOCKS
-    for kb in range(0, N_BLOCKS, NB):
-        xs, xs_lo, xs_hi = _q6k_x_tiles(x_ptr, kb, NB)
-        new = ()
-        for r in tl.static_range(R):
-            new = new + (_q6k_row_step(wp, hp, bp, lead + r * SH, row0 + r < M, kb, xs, xs_lo, xs_hi, scale,
-                                       accs[r], NB),)
-        accs = new
-    return accs
+def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+    if QT == 14:
+        acc = _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB)
+    else:
+        acc = _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB)
+    return acc
 
 
 @triton.jit
-def _q6k_zeros(R: tl.constexpr, NB: tl.constexpr):
+def _xbase(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, start):
+    """Views from unit offset `start` (int64) on, and start's offset from them (int32): Q6_K's at the word
+    boundary at or below halfword `start` (offset 0 or 1); Q8_0's at word `start` (offset 0)."""
+    if QT == 14:
+        base = start - (start & 1)
+        wp, hp, bp, lead = w32_ptr + base // 2, w16_ptr + base, w8_ptr + 2 * base, (start & 1).to(tl.int32)
+    else:
+        wp, hp, bp, lead = w32_ptr + start, w16_ptr, w8_ptr, (start * 0).to(tl.int32)
+    return wp, hp, bp, lead
+
+
+@triton.jit
+def _xzeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
     accs = ()
     for _r in tl.static_range(R):
-        accs = accs + (tl.zeros([NB, 2, 16], dtype=tl.float32),)
+        if QT == 14:
+            accs = accs + (tl.zeros([NB, 2, 16], dtype=tl.float32),)
+        else:
+            accs = accs + (tl.zeros([NB, 4, 8], dtype=tl.float32),)
     return accs
 
 
@@ -471,12 +518,27 @@ def _sum3(acc):
 
 
 @triton.jit
-def _wmv6_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M,
+def _xrows_dot(QT: tl.constexpr, wp, hp, bp, lead, row0, M, x_ptr, scale, accs, GU: tl.constexpr,
+               N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """accs[r] += row row0 + r's products with x over all K (rows of GU N_BLOCKS units from the views, the
+    first at unit `lead`)."""
+    for kb in range(0, N_BLOCKS, NB):
+        xt = _xt(QT, x_ptr, kb, NB)
+        new = ()
+        for r in tl.static_range(R):
+            new = new + (_xstep(QT, wp, hp, bp, lead + r * (GU * N_BLOCKS), row0 + r < M, kb, xt, scale,
+                                accs[r], NB),)
+        accs = new
+    return accs
+
+
+@triton.jit
+def _wmvx_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M, QT: tl.constexpr, GU: tl.constexpr,
                  N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
     """Grid (cdiv(M, R),). The matrix as int32 / int16 / int8 views of its bytes; x: permuted f32 [K]."""
     row0 = tl.program_id(0) * R
-    wp, hp, bp, lead = _q6k_base(w32_ptr, w16_ptr, w8_ptr, row0.to(tl.int64) * (105 * N_BLOCKS))
-    accs = _q6k_rows_dot(wp, hp, bp, lead, row0, M, x_ptr, 1.0, _q6k_zeros(R, NB), N_BLOCKS, R, NB)
+    wp, hp, bp, lead = _xbase(QT, w32_ptr, w16_ptr, w8_ptr, row0.to(tl.int64) * (GU * N_BLOCKS))
+    accs = _xrows_dot(QT, wp, hp, bp, lead, row0, M, x_ptr, 1.0, _xzeros(QT, R, NB), GU, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _sum3(accs[r])
@@ -486,75 +548,131 @@ def _wmv6_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M,
 
 
 @triton.jit
-def _wdown6_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h,
-                   N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
-    """Grid (cdiv(N, R),). Experts [E, N, 105 N_BLOCKS halfwords] (stride_e in halfwords), h: permuted f32
-    [n_sel, F]; the routing weight folded into the scales, experts summed in order 0 .. n_sel-1."""
+def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr, ids_ptr, out_ptr, F,
+                      stride_ge, stride_ue, stride_out, QT: tl.constexpr, GU: tl.constexpr, N_BLOCKS: tl.constexpr,
+                      R: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr):
+    """Grid (cdiv(F, R), n_sel). Experts [E, F, GU N_BLOCKS units] (strides in units); x permuted f32 [K]."""
+    sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    accs = _q6k_zeros(R, NB)
+    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    first = row0.to(tl.int64) * (GU * N_BLOCKS)
+    gp, gh, gb, glead = _xbase(QT, g32_ptr, g16_ptr, g8_ptr, eid * stride_ge + first)
+    up, uh, ub, ulead = _xbase(QT, u32_ptr, u16_ptr, u8_ptr, eid * stride_ue + first)
+    ga = _xzeros(QT, R, NB)
+    ua = _xzeros(QT, R, NB)
+    for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
+        xt = _xt(QT, x_ptr, kb, NB)
+        nga = ()
+        nua = ()
+        for r in tl.static_range(R):
+            ok = row0 + r < F
+            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ga[r], NB),)
+            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ua[r], NB),)
+        ga, ua = nga, nua
+    for r in tl.static_range(R):
+        row = row0 + r
+        h = _act(_sum3(ga[r]), ACT) * _sum3(ua[r])
+        if PERM_OUT:
+            dst = perm_slot(row)
+        else:
+            dst = row
+        tl.store(out_ptr + sel * stride_out + dst, h, mask=row < F)
+
+
+@triton.jit
+def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h,
+                   QT: tl.constexpr, GU: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                   R: tl.constexpr, NB: tl.constexpr):
+    """Grid (cdiv(N, R),). Experts [E, N, GU N_BLOCKS units] (stride_e in units), h: permuted f32 [n_sel, F];
+    the routing weight folded into the scales, experts summed in order 0 .. n_sel-1."""
+    row0 = tl.program_id(0) * R
+    accs = _xzeros(QT, R, NB)
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
-        wp, hp, bp, lead = _q6k_base(w32_ptr, w16_ptr, w8_ptr, eid * stride_e + row0.to(tl.int64) * (105 * N_BLOCKS))
-        accs = _q6k_rows_dot(wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs,
-                             N_BLOCKS, R, NB)
+        wp, hp, bp, lead = _xbase(QT, w32_ptr, w16_ptr, w8_ptr, eid * stride_e + row0.to(tl.int64) * (GU * N_BLOCKS))
+        accs = _xrows_dot(QT, wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs,
+                          GU, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _sum3(accs[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
 
 
-def _q6k_views(w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int32 / int16 / int8 views of Q6_K rows (uint8 [..., 210 K / 256], contiguous, 4-byte aligned start)."""
-    if k % 256 or w.shape[-1] != 210 * (k // 256) or not w.is_contiguous():
-        raise ValueError(f"Q6_K rows must be contiguous {210 * (k // 256)}-byte rows for K = {k}, "
+def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int]:
+    """int32 / int16 / int8 views of Q6_K or Q8_0 rows (uint8 [..., ROW_BYTES K / 256], contiguous, 4-byte
+    aligned start) and the stride of the leading (expert) dimension in offset units (0 for a matrix)."""
+    name, size = ("Q6_K", 210) if qtype == Q6_K else ("Q8_0", 272)
+    if k % 256 or w.shape[-1] != size * (k // 256) or not w.is_contiguous():
+        raise ValueError(f"{name} rows must be contiguous {size * (k // 256)}-byte rows for K = {k}, "
                          f"got shape {tuple(w.shape)} strides {w.stride()}")
     if w.data_ptr() % 4:
-        raise ValueError("Q6_K weights must start at a 4-byte aligned address")
+        raise ValueError(f"{name} weights must start at a 4-byte aligned address")
     flat = w.reshape(-1)
-    # whole words only: the last 2 bytes (an odd block's d, read as a halfword) may be left out of the int32 view
-    return flat[: flat.numel() // 4 * 4].view(torch.int32), flat.view(torch.int16), flat.view(torch.int8)
+    unit = 2 if qtype == Q6_K else 4  # bytes per offset unit
+    stride_e = w.stride(0) // unit if w.dim() == 3 else 0
+    # whole words only: the last 2 bytes (an odd Q6_K block's d, read as a halfword) may be left out of the
+    # int32 view
+    return (flat[: flat.numel() // 4 * 4].view(torch.int32), flat.view(torch.int16), flat.view(torch.int8)), stride_e
 
 
-def qmatvec_w6(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-               *, tile: WTile | None = None) -> torch.Tensor:
-    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q6_K matrix.
-
-    w: uint8 [M, 210 K / 256] rows contiguous; xp: f32 [K] in permute_k4 order; out/residual f32 [M]."""
+def _qmatvec_x(qtype: int, w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor,
+               residual: torch.Tensor | None = None, *, tile: WTile | None = None) -> torch.Tensor:
     m, k = w.shape[0], xp.shape[0]
-    w32, w16, w8 = _q6k_views(w, k)
-    t = wtile_for("mv6", m, k, m, w.device, tile)
-    _wmv6_kernel[(triton.cdiv(m, t.rows),)](
-        w32, w16, w8, xp, out if residual is None else residual, out, m,
+    views, _ = _views(qtype, w, k)
+    t = wtile_for("mv", m, k, m, w.device, tile)
+    _wmvx_kernel[(triton.cdiv(m, t.rows),)](
+        *views, xp, out if residual is None else residual, out, m, QT=qtype, GU=GROUP_UNITS[qtype],
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
 
 
-def moe_down_w6(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
-    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q6_K experts, summed in order.
-
-    w_down: uint8 [E, N, 210 F / 256]; hp: f32 [n_sel, F], rows in permute_k4 order; ids: int [n_sel];
-    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual). Returns out."""
-    n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
-    w32, w16, w8 = _q6k_views(w_down, f)
-    t = wtile_for("down6", n, f, n, w_down.device, tile)
-    _wdown6_kernel[(triton.cdiv(n, t.rows),)](
-        w32, w16, w8, hp, ids, weights, residual, out, n, w_down.stride(0) // 2, hp.stride(0),
-        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb,
+def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor,
+                   out: torch.Tensor, act: str = "silu", *, perm_out: bool = False,
+                   tile: WTile | None = None) -> torch.Tensor:
+    f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
+    if perm_out and f % 256:
+        raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
+    (g32, g16, g8), sg = _views(qtype, w_gate, k)
+    (u32, u16, u8), su = _views(qtype, w_up, k)
+    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile)
+    _wgate_upx_kernel[(triton.cdiv(f, t.rows), n_sel)](
+        g32, g16, g8, u32, u16, u8, xp, ids, out, f, sg, su, out.stride(0), QT=qtype, GU=GROUP_UNITS[qtype],
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
 
 
+def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
+    n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
+    views, se = _views(qtype, w_down, f)
+    t = wtile_for("down", n, f, n, w_down.device, tile)
+    _wdownx_kernel[(triton.cdiv(n, t.rows),)](
+        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=GROUP_UNITS[qtype],
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
+
+
+# Q6_K / Q8_0 entry points: the Q4_K functions' signatures and contracts (rows of 210 or 272 bytes per 256 weights)
+qmatvec_w6 = partial(_qmatvec_x, Q6_K)
+moe_gate_up_w6 = partial(_moe_gate_up_x, Q6_K)
+moe_down_w6 = partial(_moe_down_x, Q6_K)
+qmatvec_w8 = partial(_qmatvec_x, Q8_0)
+moe_gate_up_w8 = partial(_moe_gate_up_x, Q8_0)
+moe_down_w8 = partial(_moe_down_x, Q8_0)
+
 # product kind -> GGML type -> word kernel (TritonOps dispatches through this table)
 KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
-    "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6},
-    "gate_up": {Q4_K: moe_gate_up_w},
-    "down": {Q4_K: moe_down_w, Q6_K: moe_down_w6},
+    "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6, Q8_0: qmatvec_w8},
+    "gate_up": {Q4_K: moe_gate_up_w, Q6_K: moe_gate_up_w6, Q8_0: moe_gate_up_w8},
+    "down": {Q4_K: moe_down_w, Q6_K: moe_down_w6, Q8_0: moe_down_w8},
 }
 WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
 
-__all__ = ["KERNELS", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_gate_up_w", "permute_k4",
-           "qmatvec_w", "qmatvec_w6", "supports", "wtile_for"]
+__all__ = ["KERNELS", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8", "moe_gate_up_w",
+           "moe_gate_up_w6", "moe_gate_up_w8", "permute_k4", "qmatvec_w", "qmatvec_w6", "qmatvec_w8", "supports",
+           "wtile_for"]
