@@ -71,6 +71,12 @@ for stage in "$@"; do
       rm -f "$f"
       MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/engine/test_fast_decode.py 2>&1 | tail -3 \
         | tee -a "$LOG" ;;
+    tg:*|pp:*)  # just the bench: tg128 (words and depth 4096) or pp512 of OLMoE
+      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
+      timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
+      if [ "${stage%%:*}" = tg ]; then bench "$f" "olmoe-1b-7b-$t-tg" -p 0 -n 128 -r 5 -d 0,4096
+      else bench "$f" "olmoe-1b-7b-$t-pp" -p 512,4096 -n 0 -r 5; fi
+      rm -f "$f" ;;
     decodetests)
       MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
         tests/kernels/test_decode_ops.py tests/engine/test_fast_decode.py 2>&1 | tail -3 | tee -a "$LOG" ;;

@@ -74,14 +74,15 @@ class FastPrefill:
     """Batched forward of prompt chunks for one model and one KV cache."""
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
-                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "fused",
+                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "dequant",
                  graph_max: int = DEFAULT_GRAPH_MAX) -> None:
         """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
         each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
         the same GEMM on those (the alternative benchmarks/bench_prefill.py measures).
-        dense: "fused" decodes the projections' weights inside the GEMM (once per token block); "dequant"
-        writes each projection's weights to one reused bf16 buffer and multiplies with torch (cuBLAS) when
-        the chunk has >= DEQUANT_MIN_ROWS tokens (bf16 mode; the float32 mode always decodes in the GEMM).
+        dense: "dequant" (default; 1.1-1.2x pp512 on the H200, benchmarks/NOTES.md 6h) writes each projection's
+        weights to one reused bf16 buffer and multiplies with torch (cuBLAS) when the chunk has >=
+        DEQUANT_MIN_ROWS tokens (bf16 mode; the float32 mode always decodes in the GEMM); "fused" decodes the
+        weights inside the GEMM, once per token block.
         graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only)."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact

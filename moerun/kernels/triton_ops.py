@@ -49,7 +49,7 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
-        if x_perm is not None and self.perm(qtype, x.shape[-1], "mv"):
+        if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)
 

@@ -175,9 +175,10 @@ def test_dense_products_through_a_bf16_copy(case, monkeypatch) -> None:
     path, tokens, _, _ = case
     monkeypatch.setattr(fast_prefill, "DEQUANT_MIN_ROWS", 8)  # the test prompt is short
     eng = Engine(path, fast=False, prefill="fast", prefill_dtype="bfloat16", graph=False, **KW)
-    fused = eng.forward(tokens)
-    eng.reset()
-    eng.prefiller.dense = "dequant"
+    assert eng.prefiller.dense == "dequant"  # the default
     got = eng.forward(tokens)
+    eng.reset()
+    eng.prefiller.dense = "fused"
+    fused = eng.forward(tokens)
     assert eng.prefiller._wbuf is not None and eng.prefiller._wbuf.numel() > 0
     assert rel_err(got, fused) < 1e-2

@@ -94,11 +94,12 @@ def wtile_for(kind: str, m: int, k: int, n_rows: int, device: torch.device, tile
     return t._replace(nb=_fit_nb(t.nb, k // 256))
 
 
-def supports(qtype: int, k: int, kind: str | None = None) -> bool:
-    """True when a word kernel takes a [*, K] matrix of this type (for product `kind`: "mv", "gate_up" or
-    "down"; None: for some product)."""
+def supports(qtype: int, k: int, kind: str | None = None, m: int | None = None) -> bool:
+    """True when a word kernel takes (and is the faster for) a [M, K] matrix of this type in product `kind`
+    ("mv", "gate_up" or "down"; None: some product); m: its rows, None = some size."""
     kinds = [kind] if kind else list(KERNELS)
-    return k % 256 == 0 and any(qtype in KERNELS[kd] for kd in kinds)
+    return k % 256 == 0 and any(qtype in KERNELS[kd] and (m is None or m >= MIN_ROWS.get((kd, qtype), 0))
+                                for kd in kinds)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -669,8 +670,11 @@ moe_down_w8 = partial(_moe_down_x, Q8_0)
 KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
     "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6, Q8_0: qmatvec_w8},
     "gate_up": {Q4_K: moe_gate_up_w, Q6_K: moe_gate_up_w6, Q8_0: moe_gate_up_w8},
-    "down": {Q4_K: moe_down_w, Q6_K: moe_down_w6, Q8_0: moe_down_w8},
+    "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8},  # Q6_K's (moe_down_w6) lost to the byte kernel: NOTES 7b
 }
+# (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel (H200, NOTES.md 7b): the
+# Q6_K matvec wins on output-sized matrices only (60.3 vs 69.8 us at 50304 x 2048; 7.9 vs 5.7 at 2048 x 2048)
+MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
 WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
 
 __all__ = ["KERNELS", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8", "moe_gate_up_w",
