@@ -37,7 +37,11 @@ class TritonOps:
     def kernel_name(self, qtype: int) -> str:
         """The decode path of a weight type, for the bench's path column."""
         if self.words and qtype in wk.WORD_TYPES:
-            return "triton-words"
+            kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
+                     for kd, table in wk.KERNELS.items() if qtype in table]
+            if kinds == list(wk.KERNELS):  # every product, any size
+                return "triton-words"
+            return f"triton+words({','.join(kinds)})"  # e.g. Q6_K: words for some products, bytes for the rest
         return "triton" if qtype in qk.SUPPORTED else "torch-dequant (no fused kernel)"
 
     def perm(self, qtype: int, k: int, kind: str | None = None) -> bool:
