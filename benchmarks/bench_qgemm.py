@@ -3,7 +3,8 @@
 
     python benchmarks/bench_qgemm.py [--types Q4_K,Q8_0,F16] [--tiles 64x64x4x2,128x64x4x3sw,...] [--prefetch on,off]
 
-Per weight type: the dense projection as a bf16 copy of the weights then cuBLAS (qgemm.dequantize_bf16);
+Per weight type: the bf16 copy of a dense matrix (qgemm.dequantize_bf16, at --copy-tiles), and the dense
+projection as that copy then cuBLAS;
 per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
 64 experts, top-8, F = 1024) and the grouped down; median of 20 CUDA-event timings, as TFLOP/s and as
 G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
@@ -46,6 +47,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,F16")
     ap.add_argument("--tiles", default="64x64x4x2,64x128x4x3,128x128x8x3,64x64x4x4,128x64x4x3")
+    ap.add_argument("--copy-tiles", default="16x4,64x4,128x8,32x2",
+                    help="dequantize_bf16 tiles to time: ROWSxWARPS (16x4 is the default)")
     ap.add_argument("--prefetch", default="on", help="on, off or on,off (raw-load prefetch of Q8_0/Q4_K/Q6_K)")
     args = ap.parse_args()
     gen = np.random.default_rng(0)
@@ -70,8 +73,11 @@ def main() -> None:
         w_u = weights(qt, (E, F), N, gen)
         w_d = weights(qt, (E, N), F, gen)
         wb = torch.empty(N, N, device=dev, dtype=torch.bfloat16)
-        ms = timed(lambda: qg.dequantize_bf16(w_dense, qt, wb))
-        rows.append((tname, "dense: bf16 copy only", "-", ms, 0.0, N * N / ms / 1e6))
+        for ct in args.copy_tiles.split(","):
+            r_, w_ = (int(v) for v in ct.split("x"))
+            ms = timed(lambda: qg.dequantize_bf16(w_dense, qt, wb, tile=(r_, w_)))
+            rows.append((tname, "dense: bf16 copy only", f"{ct} (rows x warps)", ms, 0.0, N * N / ms / 1e6))
+            print(*rows[-1], flush=True)
         ms = timed(lambda: torch.mm(x, qg.dequantize_bf16(w_dense, qt, wb).T, out_dtype=torch.float32))
         rows.append((tname, "dense: bf16 copy + cuBLAS", "-", ms, 2 * T * N * N / ms / 1e9, N * N / ms / 1e6))
         print(*rows[-1], flush=True)

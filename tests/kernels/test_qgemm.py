@@ -206,3 +206,13 @@ def test_dequantize_bf16(qtype, device, rng) -> None:
     assert torch.equal(out.cpu().view(torch.int16), w.float().bfloat16().view(torch.int16))
     with pytest.raises(ValueError, match="do not hold"):
         dequantize_bf16(raw, int(qtype), out[:, :-32])
+
+
+@pytest.mark.parametrize("tile", [(64, 4), (2, 1)], ids=str)
+def test_dequantize_bf16_tiles(tile, device, rng) -> None:
+    """Other copy tiles (the benchmark's candidates) give the same bits."""
+    gen, _ = rng
+    raw, w = _weights(T.Q8_0, (37,), 320, gen, device)
+    out = torch.full((37, 320), float("nan"), device=device, dtype=torch.bfloat16)
+    dequantize_bf16(raw, int(T.Q8_0), out, tile=tile)
+    assert torch.equal(out.cpu().view(torch.int16), w.float().bfloat16().view(torch.int16))

@@ -638,10 +638,15 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     return out
 
 
-def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
+COPY_TILE = (16, 4)  # dequantize_bf16's rows per program and warps (measured at this one only, NOTES.md 6h)
+
+
+def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor, *, tile: tuple[int, int] = COPY_TILE
+                    ) -> torch.Tensor:
     """out[M, K] bf16 = W dequantized and rounded to nearest bf16 (the values the bf16 GEMM multiplies), for
     the prefill's dense products: a bf16 copy then cuBLAS beats decoding each weight once per token block
-    (benchmarks/NOTES.md 6h). w: uint8 [M, row_bytes] (GGUF bytes); out: bf16 [M, K] rows contiguous."""
+    (benchmarks/NOTES.md 6h). w: uint8 [M, row_bytes] (GGUF bytes); out: bf16 [M, K] rows contiguous;
+    tile: (rows per program, a power of two; warps), each program decoding [rows, 64] weights."""
     _check(qtype)
     M, K = out.shape
     bs, ts, _ = GEOMETRY[qtype]
@@ -650,8 +655,9 @@ def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Ten
     _k_ok(qtype, K, w)
     wt = _typed(w, qtype)
     o16 = out.view(torch.int16)
-    _dequant_bf16_kernel[(triton.cdiv(M, 16), triton.cdiv(K, BK))](
-        wt, o16, M, K, wt.stride(0), o16.stride(0), QTYPE=qtype, BN=16, BKC=BK, num_warps=4)
+    rows, warps = tile
+    _dequant_bf16_kernel[(triton.cdiv(M, rows), triton.cdiv(K, BK))](
+        wt, o16, M, K, wt.stride(0), o16.stride(0), QTYPE=qtype, BN=rows, BKC=BK, num_warps=warps)
     return out
 
 
