@@ -41,8 +41,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import permute_k4
+from moerun.kernels.triton.qgemm import _i8f
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
 Q4_K, Q6_K = 12, 14
@@ -232,6 +234,16 @@ def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, fq_mask, fq_one,
 
 
 @triton.jit
+def _store_h(out_ptr, row, F, g, u, ACT: tl.constexpr, PERM_OUT: tl.constexpr):
+    """h = act(g) * u of one gate/up row into out_ptr's row `row` (< F), at its permute_k4 slot with PERM_OUT."""
+    if PERM_OUT:
+        dst = perm_slot(row)
+    else:
+        dst = row
+    tl.store(out_ptr + dst, _act(g, ACT) * u, mask=row < F)
+
+
+@triton.jit
 def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_ue, stride_out,
                      fq_mask, fq_one, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                      ACT: tl.constexpr, PERM_OUT: tl.constexpr):
@@ -261,13 +273,7 @@ def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stri
             num = num + (am,)
         ga, gm, ua, um = nga, ngm, nua, num
     for r in tl.static_range(R):
-        row = row0 + r
-        h = _act(_total(ga[r], gm[r]), ACT) * _total(ua[r], um[r])
-        if PERM_OUT:
-            dst = perm_slot(row)
-        else:
-            dst = row
-        tl.store(out_ptr + sel * stride_out + dst, h, mask=row < F)
+        _store_h(out_ptr + sel * stride_out, row0 + r, F, _total(ga[r], gm[r]), _total(ua[r], um[r]), ACT, PERM_OUT)
 
 
 @triton.jit
@@ -359,8 +365,6 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
     return out
 
 
-
-
 # ------------------------------------------------------------------------------------------ Q6_K and Q8_0
 # Both accumulate one tile per row: sum over a word's weights of q * x, times the word's scale.
 #
@@ -406,12 +410,6 @@ def _f6(ql, vs, P: tl.constexpr):
     else:
         b = vs >> (P - 21)
     return ((a & 0x1E0000) | (b & 0x600000) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _i8f(x, sh: tl.constexpr):
-    """The signed byte at bit sh of int32 words x, as float32."""
-    return (x >> sh).to(tl.int8).to(tl.float32)
 
 
 @triton.jit
@@ -571,13 +569,7 @@ def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr,
             nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ua[r], NB),)
         ga, ua = nga, nua
     for r in tl.static_range(R):
-        row = row0 + r
-        h = _act(_sum3(ga[r]), ACT) * _sum3(ua[r])
-        if PERM_OUT:
-            dst = perm_slot(row)
-        else:
-            dst = row
-        tl.store(out_ptr + sel * stride_out + dst, h, mask=row < F)
+        _store_h(out_ptr + sel * stride_out, row0 + r, F, _sum3(ga[r]), _sum3(ua[r]), ACT, PERM_OUT)
 
 
 @triton.jit
@@ -602,14 +594,14 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
 def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int]:
     """int32 / int16 / int8 views of Q6_K or Q8_0 rows (uint8 [..., ROW_BYTES K / 256], contiguous, 4-byte
     aligned start) and the stride of the leading (expert) dimension in offset units (0 for a matrix)."""
-    name, size = ("Q6_K", 210) if qtype == Q6_K else ("Q8_0", 272)
+    name, size = GGMLQuantizationType(qtype).name, ROW_BYTES[qtype]
     if k % 256 or w.shape[-1] != size * (k // 256) or not w.is_contiguous():
         raise ValueError(f"{name} rows must be contiguous {size * (k // 256)}-byte rows for K = {k}, "
                          f"got shape {tuple(w.shape)} strides {w.stride()}")
     if w.data_ptr() % 4:
         raise ValueError(f"{name} weights must start at a 4-byte aligned address")
     flat = w.reshape(-1)
-    unit = 2 if qtype == Q6_K else 4  # bytes per offset unit
+    unit = size // GROUP_UNITS[qtype]  # bytes per offset unit
     stride_e = w.stride(0) // unit if w.dim() == 3 else 0
     # whole words only: the last 2 bytes (an odd Q6_K block's d, read as a halfword) may be left out of the
     # int32 view
