@@ -110,7 +110,7 @@ class Case:
                 for w, _, i in self.launches]
 
     def wfns(self, tile: W.WTile | None) -> list[Callable[[], object]]:
-        """The word kernels (Q4_K, Q6_K) on the same launches; x permuted once outside the timed region."""
+        """The word kernels (wmatvec.KERNELS) on the same launches; x permuted once outside the timed region."""
         xp = permute_k4(self.x)
         fn = W.KERNELS[self.kind][self.qtype]
         if self.kind == "mv":
