@@ -6,7 +6,7 @@
 Per weight type: the bf16 copy of a dense matrix (qgemm.dequantize_bf16, at --copy-tiles), and the dense
 projection as that copy then cuBLAS;
 per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
-64 experts, top-8, F = 1024) and the grouped down; median of 20 CUDA-event timings, as TFLOP/s and as
+64 experts, top-8, F = 1024) and the grouped down; median of 20 replays of a CUDA graph of 10 calls (GPU time only), as TFLOP/s and as
 G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
 --prefetch on,off times each tile with and without the kernel's one-step-ahead raw loads (Q8_0, Q4_K, Q6_K).
 """
@@ -19,7 +19,7 @@ import statistics
 
 import numpy as np
 import torch
-from _timing import event_ms
+from _timing import capture_graph, event_ms
 from gguf import GGMLQuantizationType as Q
 
 from moerun.kernels.triton import qgemm as qg
@@ -29,12 +29,12 @@ from moerun.quant import random_blocks
 T, N, F, E, TOPK = 512, 2048, 1024, 64, 8
 
 
-def timed(fn, reps: int = 20) -> float:
-    """Median milliseconds of fn() over reps (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    times = [event_ms(fn) for _ in range(reps)]
-    return statistics.median(times)
+def timed(fn, reps: int = 20, calls: int = 10) -> float:
+    """Median milliseconds of one fn() call, GPU time only: `calls` calls captured in one CUDA graph, the graph
+    replayed `reps` times (an event pair around one eager call also counts Triton's ~20-40 us Python launch,
+    which inflated every short kernel's figure before 2026-12-03)."""
+    g = capture_graph([fn] * calls, warmup=[fn] * 3)
+    return statistics.median(event_ms(g.replay) / calls for _ in range(reps))
 
 
 def weights(qtype: int, lead: tuple[int, ...], k: int, gen: np.random.Generator) -> torch.Tensor:
@@ -47,8 +47,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,F16")
     ap.add_argument("--tiles", default="64x64x4x2,64x128x4x3,128x128x8x3,64x64x4x4,128x64x4x3")
-    ap.add_argument("--copy-tiles", default="16x4,64x4,128x8,32x2",
-                    help="dequantize_bf16 tiles to time: ROWSxWARPS (16x4 is the default)")
+    ap.add_argument("--copy-tiles", default="16x4x1,64x4x1,32x4x4,16x4x8,64x8x4,8x2x4",
+                    help="dequantize_bf16 tiles to time: ROWSxWARPSxSTEPS (16x4x1 is the default)")
     ap.add_argument("--prefetch", default="on", help="on, off or on,off (raw-load prefetch of Q8_0/Q4_K/Q6_K)")
     args = ap.parse_args()
     gen = np.random.default_rng(0)
@@ -74,9 +74,11 @@ def main() -> None:
         w_d = weights(qt, (E, N), F, gen)
         wb = torch.empty(N, N, device=dev, dtype=torch.bfloat16)
         for ct in args.copy_tiles.split(","):
-            r_, w_ = (int(v) for v in ct.split("x"))
-            ms = timed(lambda: qg.dequantize_bf16(w_dense, qt, wb, tile=(r_, w_)))
-            rows.append((tname, "dense: bf16 copy only", f"{ct} (rows x warps)", ms, 0.0, N * N / ms / 1e6))
+            ctile = tuple(int(v) for v in ct.split("x"))
+            ms = timed(lambda: qg.dequantize_bf16(w_dense, qt, wb, tile=ctile))
+            gbs = (w_dense.numel() + 2 * N * N) / ms / 1e6  # bytes read + written
+            rows.append((tname, "dense: bf16 copy only", f"{ct} (rows x warps x steps), {gbs:.0f} GB/s", ms, 0.0,
+                         N * N / ms / 1e6))
             print(*rows[-1], flush=True)
         ms = timed(lambda: torch.mm(x, qg.dequantize_bf16(w_dense, qt, wb).T, out_dtype=torch.float32))
         rows.append((tname, "dense: bf16 copy + cuBLAS", "-", ms, 2 * T * N * N / ms / 1e9, N * N / ms / 1e6))

@@ -208,11 +208,13 @@ def test_dequantize_bf16(qtype, device, rng) -> None:
         dequantize_bf16(raw, int(qtype), out[:, :-32])
 
 
-@pytest.mark.parametrize("tile", [(64, 4), (2, 1)], ids=str)
-def test_dequantize_bf16_tiles(tile, device, rng) -> None:
-    """Other copy tiles (the benchmark's candidates) give the same bits."""
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("tile", [(64, 4), (2, 1), (8, 2, 4), (16, 4, 3)], ids=str)
+def test_dequantize_bf16_tiles(tile, qtype, device, rng) -> None:
+    """Other copy tiles (the benchmark's candidates; K steps that overrun K) give the same bits."""
     gen, _ = rng
-    raw, w = _weights(T.Q8_0, (37,), 320, gen, device)
-    out = torch.full((37, 320), float("nan"), device=device, dtype=torch.bfloat16)
-    dequantize_bf16(raw, int(T.Q8_0), out, tile=tile)
+    k = 320 if qtype == T.Q8_0 else 512
+    raw, w = _weights(qtype, (37,), k, gen, device)
+    out = torch.full((37, k), float("nan"), device=device, dtype=torch.bfloat16)
+    dequantize_bf16(raw, int(qtype), out, tile=tile)
     assert torch.equal(out.cpu().view(torch.int16), w.float().bfloat16().view(torch.int16))

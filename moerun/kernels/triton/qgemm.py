@@ -590,15 +590,19 @@ def _qgemm_kernel(
 
 @triton.jit
 def _dequant_bf16_kernel(w_ptr, out_ptr, M, K, stride_w, stride_out, QTYPE: tl.constexpr, BN: tl.constexpr,
-                         BKC: tl.constexpr):
-    """Grid (cdiv(M, BN), cdiv(K, BKC)): out [M, K] int16 = the bits of each weight rounded to bf16."""
+                         BKC: tl.constexpr, STEPS: tl.constexpr):
+    """Grid (cdiv(M, BN), cdiv(K, BKC * STEPS)): out [M, K] int16 = the bits of each weight rounded to bf16;
+    each program decodes [BN, BKC] tiles at STEPS consecutive K positions."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < M
-    k0 = tl.program_id(1) * BKC
-    w = deq_tile(w_ptr + n.to(tl.int64) * stride_w, nm, k0, K, QTYPE, BKC)  # [BN, BKC] float32
-    bits = (_round_bf16(w).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-    k = k0 + tl.arange(0, BKC)
-    tl.store(out_ptr + n.to(tl.int64)[:, None] * stride_out + k[None, :], bits, mask=nm[:, None] & (k < K)[None, :])
+    wr = w_ptr + n.to(tl.int64) * stride_w
+    orow = out_ptr + n.to(tl.int64)[:, None] * stride_out
+    for s in tl.static_range(STEPS):
+        k0 = (tl.program_id(1) * STEPS + s) * BKC
+        w = deq_tile(wr, nm, k0, K, QTYPE, BKC)  # [BN, BKC] float32
+        bits = (_round_bf16(w).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+        k = k0 + tl.arange(0, BKC)
+        tl.store(orow + k[None, :], bits, mask=nm[:, None] & (k < K)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -638,15 +642,15 @@ def qgemm(a: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor, *, ex
     return out
 
 
-COPY_TILE = (16, 4)  # dequantize_bf16's rows per program and warps (measured at this one only, NOTES.md 6h)
+COPY_TILE = (16, 4, 1)  # dequantize_bf16's rows per program, warps, 64-wide K steps (NOTES.md 6h)
 
 
-def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor, *, tile: tuple[int, int] = COPY_TILE
+def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor, *, tile: tuple[int, ...] = COPY_TILE
                     ) -> torch.Tensor:
     """out[M, K] bf16 = W dequantized and rounded to nearest bf16 (the values the bf16 GEMM multiplies), for
     the prefill's dense products: a bf16 copy then cuBLAS beats decoding each weight once per token block
     (benchmarks/NOTES.md 6h). w: uint8 [M, row_bytes] (GGUF bytes); out: bf16 [M, K] rows contiguous;
-    tile: (rows per program, a power of two; warps), each program decoding [rows, 64] weights."""
+    tile: (rows per program, a power of two; warps[; steps]), each program decoding [rows, 64 * steps] weights."""
     _check(qtype)
     M, K = out.shape
     bs, ts, _ = GEOMETRY[qtype]
@@ -655,9 +659,9 @@ def dequantize_bf16(w: torch.Tensor, qtype: int, out: torch.Tensor, *, tile: tup
     _k_ok(qtype, K, w)
     wt = _typed(w, qtype)
     o16 = out.view(torch.int16)
-    rows, warps = tile
-    _dequant_bf16_kernel[(triton.cdiv(M, rows), triton.cdiv(K, BK))](
-        wt, o16, M, K, wt.stride(0), o16.stride(0), QTYPE=qtype, BN=rows, BKC=BK, num_warps=warps)
+    rows, warps, steps = (*tile, 1)[:3]
+    _dequant_bf16_kernel[(triton.cdiv(M, rows), triton.cdiv(K, BK * steps))](
+        wt, o16, M, K, wt.stride(0), o16.stride(0), QTYPE=qtype, BN=rows, BKC=BK, STEPS=steps, num_warps=warps)
     return out
 
 
