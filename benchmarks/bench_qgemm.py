@@ -7,7 +7,8 @@ Per weight type: the bf16 copy of a dense matrix (qgemm.dequantize_bf16, at --co
 projection as that copy then cuBLAS;
 per weight type and tile: the dense projection (512 x 2048 x 2048), the grouped gate+up (512 tokens,
 64 experts, top-8, F = 1024) and the grouped down; median of 20 replays of a CUDA graph of 10 calls (GPU
-time only), as TFLOP/s and as G weights decoded per second. cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
+time only), as TFLOP/s and as G weights decoded per second.
+cuBLAS bf16 matmuls of the same shapes are the ceiling to compare with.
 --prefetch on,off times each tile with and without the kernel's one-step-ahead raw loads (Q8_0, Q4_K, Q6_K).
 """
 
