@@ -22,6 +22,7 @@ TFLOP/s (2 x active matrix params x N) and the table leaves % roofline empty.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import os
 import statistics
@@ -362,7 +363,8 @@ def markdown(report: Report) -> str:
     rule = "|" + "|".join("-" * (w + 1) + ":" if h in right else "-" * (w + 2)
                           for w, h in zip(widths, head, strict=True)) + "|"
     bw = report.bandwidth
-    foot = (f"\nbuild: {report.system.get('commit', 'unknown')} | {report.system.get('gpu_name') or report.device}"
+    commit, src = report.system.get("commit", "unknown"), report.system.get("source_sha")
+    foot = (f"\nbuild: {commit}{f' (source {src})' if src else ''} | {report.system.get('gpu_name') or report.device}"
             f" | {report.dtype} | bandwidth {bw['gbps']:.1f} GB/s ({bw['copy_bytes'] / GiB:.2f} GiB device copy)")
     return "\n".join([line(head), rule, *(line(r) for r in rows)]) + "\n" + foot
 
@@ -383,12 +385,23 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def source_sha(root: Path | None = None) -> str:
+    """12 hex digits of a SHA-256 over the package's .py files (paths and contents, sorted): names the code
+    that ran even where the git commit cannot (a copied tree with a stale .git, uncommitted edits)."""
+    root = root or Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def system_info(device: torch.device) -> dict[str, Any]:
-    """moerun's git commit, GPU name and driver, torch / CUDA / triton versions, date."""
+    """moerun's git commit and source hash, GPU name and driver, torch / CUDA / triton versions, date."""
     here = Path(__file__).resolve().parent
     info: dict[str, Any] = {
         # $MOERUN_COMMIT first: a copied tree (the GPU machine's) may carry a stale .git
         "commit": os.environ.get("MOERUN_COMMIT") or _run(["git", "rev-parse", "HEAD"], here) or "unknown",
+        "source_sha": source_sha(here),
         "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"], here)),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": None,

@@ -175,13 +175,28 @@ def test_report_markdown_and_json(engine: Engine) -> None:
     data = json.loads(json.dumps(bench.to_json(report)))
     for key in ("model", "file", "size_bytes", "params", "device", "dtype", "kernel_paths", "bandwidth", "system"):
         assert key in data
-    for key in ("commit", "date", "torch", "triton", "gpu_name", "driver"):
+    for key in ("commit", "source_sha", "date", "torch", "triton", "gpu_name", "driver"):
         assert key in data["system"]
+    assert f"(source {data['system']['source_sha']})" in md[-1]
     tg = data["results"][1]
     assert len(tg["times_s"]) == 2 and tg["tps_median"] == pytest.approx(statistics.median(tg["tps"]))
     assert tg["roofline_tps"] == pytest.approx(2e9 / tg["bytes_per_token"])
     assert tg["roofline_pct"] == pytest.approx(100 * tg["tps_median"] / tg["roofline_tps"])
     assert data["results"][0]["tflops"] > 0 and data["results"][0]["roofline_pct"] is None
+
+
+def test_source_sha_names_the_code(tmp_path: Path) -> None:
+    """The source hash changes with any .py file's content or name, and nothing else."""
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("ignored")
+    first = bench.source_sha(tmp_path)
+    assert len(first) == 12 and first == bench.source_sha(tmp_path)
+    (tmp_path / "notes.txt").write_text("changed")
+    assert bench.source_sha(tmp_path) == first
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert bench.source_sha(tmp_path) != first
+    (tmp_path / "a.py").rename(tmp_path / "b.py")
+    assert bench.source_sha(tmp_path) not in (first, bench.source_sha(tmp_path / "missing"))
 
 
 def test_bandwidth_measurement_counts_read_and_write() -> None:
