@@ -11,6 +11,7 @@ table; --profile adds the GPU time by kernel of one eager 512-token prefill.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -31,6 +32,9 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
                                   for k in ("gate_up", "down")}},
     "swap moe 64x64": {"tiles": {k: fp.TILES[k]._replace(block_m=64, block_n=64, num_warps=4, swap=True)
                                  for k in ("gate_up", "down")}},
+    "swap gate_up 128x64": {"tiles": {"gate_up": fp.TILES["gate_up"]._replace(block_n=64, num_warps=4, swap=True)}},
+    "swap gate_up 64x64": {"tiles": {"gate_up": GemmTile(64, 64, 4, 3, fp.TILES["gate_up"].prefetch, swap=True),
+                                     "down": GemmTile(64, 128, 4, 3, fp.TILES["down"].prefetch)}},
     "swap all 128x64": {"tiles": {k: t._replace(block_m=128, block_n=64, num_warps=4, swap=True)
                                   for k, t in fp.TILES.items()}},
     "prefetch all": {"tiles": {k: t._replace(prefetch=frozenset({8, 12, 14})) for k, t in fp.TILES.items()}},
@@ -48,6 +52,25 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "float32 exact": {"exact": True},
 }
 DEFAULT_VARIANTS = "default,eager"
+
+
+def parse_variant(name: str) -> dict:
+    """A named VARIANTS entry, or tiles spelled out: KIND:BMxBNxWARPSxSTAGES[FLAGS] joined by '+', e.g.
+    `gate_up:128x64x4x3sw+down:128x128x8x3` (kinds dense, gate_up, down; flags: sw = swapped operands,
+    q8w = Q8_0 words, np = no raw-load prefetch; kinds not named keep fp.TILES)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    tiles = {}
+    for part in name.split("+"):
+        m = re.fullmatch(r"(dense|gate_up|down):(\d+)x(\d+)x(\d+)x(\d+)((?:sw|q8w|np)*)", part)
+        if not m:
+            raise SystemExit(f"variant {name!r}: expected one of {', '.join(VARIANTS)} or KIND:BMxBNxWxS[sw|q8w|np]"
+                             f"+..., got {part!r}")
+        kind, flags = m.group(1), m.group(6)
+        base = fp.TILES[kind]
+        tiles[kind] = GemmTile(*(int(m.group(i)) for i in range(2, 6)), frozenset() if "np" in flags else base.prefetch,
+                               swap="sw" in flags, q8_words="q8w" in flags)
+    return {"tiles": tiles}
 
 
 def time_prefill(eng: Engine, n: int, reps: int) -> float:
@@ -70,7 +93,8 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help=f"comma-separated, each one of {', '.join(VARIANTS)} or tiles spelled out (see parse_variant)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     counts = [int(c) for c in args.tokens.split(",")]
@@ -79,7 +103,7 @@ def main() -> None:
     base_dense = eng.prefiller.dense
     rows = []
     for name in args.variants.split(","):
-        v = VARIANTS[name]
+        v = parse_variant(name)
         fp.TILES.clear()
         fp.TILES.update(base_tiles | v.get("tiles", {}))
         p = eng.prefiller
