@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from sass_qgemm import _Recorder, classify, compile_launch, main_loop, sass_of
 
+from moerun.kernels.triton import tcmatvec as tc
 from moerun.kernels.triton import wmatvec as wk
 from moerun.quant import random_blocks
 
 N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
-           "down6": "_wdown6_kernel"}  # mv6 / down6: Q6_K
+           "down6": "_wdown6_kernel",
+           "tcmv": "_tcmv_kernel"}  # mv6 / down6: Q6_K; tcmv: tcmatvec.py's tensor-core Q4_K matvec (its own tile)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -44,12 +46,17 @@ def _q6k(*lead_k: int) -> torch.Tensor:
 def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     """The wrapper's launch (args, kwargs) for one kernel kind at OLMoE sizes, on CPU tensors."""
     name = KERNELS[kind]
-    rec = _Recorder(getattr(wk, name))
-    real = getattr(wk, name)
-    setattr(wk, name, rec)
+    mod = tc if kind == "tcmv" else wk
+    rec = _Recorder(getattr(mod, name))
+    real = getattr(mod, name)
+    setattr(mod, name, rec)
     ids = torch.arange(TOPK, dtype=torch.int32)
     try:
-        if kind == "mv":
+        if kind == "tcmv":
+            nb = N // 256
+            tc.qmatvec_tc(_q4k(N, N), tc.TcX(torch.zeros(nb, 256, 16, dtype=torch.float16), torch.ones(nb),
+                                            torch.zeros(nb * 8)), torch.empty(N))
+        elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
             wk.qmatvec_w6(_q6k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
@@ -63,26 +70,26 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
             wk.moe_down_w(_q4k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
                           torch.empty(N), tile=tile)
     finally:
-        setattr(wk, name, real)
+        setattr(mod, name, real)
     return rec.launch
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", default="1x4x1x2,2x4x1x2,4x4x1x2,4x2x1x2,4x8x2x2", help="RxNBxWARPSxSTAGES")
-    ap.add_argument("--kinds", default="mv,gate_up,down")
+    ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join(KERNELS)}")
     args = ap.parse_args()
     cols = ["LDG", "LDS", "STS", "BAR", "I2F", "IALU", "MOV", "FP32", "FP16", "CTRL", "other"]
     print("| kernel | tile | regs | spill B | loop instr | /weight | " + " | ".join(cols) + " |")
     print("|---|---|---:|---:|---:|---:|" + "---:|" * len(cols))
     for kind in args.kinds.split(","):
-        for spec in args.tiles.split(","):
-            tile = wk.WTile(*(int(v) for v in spec.split("x")))
+        for spec in ["-"] if kind == "tcmv" else args.tiles.split(","):
+            tile = wk.WTile(tc.TC_BN, 1, 4) if kind == "tcmv" else wk.WTile(*(int(v) for v in spec.split("x")))
             a, kw = record(kind, tile)
-            ck = compile_launch(getattr(wk, KERNELS[kind]), a, kw)
+            ck = compile_launch(getattr(tc if kind == "tcmv" else wk, KERNELS[kind]), a, kw)
             sass, res = sass_of(ck)
             body = main_loop(sass)
-            per_trip = tile.rows * kw["NB"] * 256 * (2 if kind == "gate_up" else 1)  # weights a loop trip decodes
+            per_trip = tile.rows * kw.get("NB", 1) * 256 * (2 if kind == "gate_up" else 1)  # weights per loop trip
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)
