@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as T
 
 from moerun.kernels.torch_ops import permute_k4
 from moerun.kernels.triton import qmatvec as Q
+from moerun.kernels.triton import tcmatvec as TC
 from moerun.kernels.triton import wmatvec as W
 from moerun.quant import random_blocks
 
@@ -120,6 +121,17 @@ class Case:
                     for w, w2, i in self.launches]
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in self.launches]
 
+    def tcfns(self, split: int | None) -> list[Callable[[], object]]:
+        """tcmatvec's tensor-core Q4_K matvec on the same launches; x prepared once outside the timed region."""
+        xt = TC.prepare_x(self.x)
+        return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, split=split) for w in self.ws]
+
+    def tc_check(self) -> float:
+        """Largest |tc - word kernel| / max |word kernel| over the outputs of the first weight copy."""
+        a = W.KERNELS["mv"][self.qtype](self.ws[0], permute_k4(self.x), torch.empty_like(self.out), self.res)
+        b = TC.qmatvec_tc(self.ws[0], TC.prepare_x(self.x), torch.empty_like(self.out), self.res)
+        return float((a - b).abs().max() / a.abs().max())
+
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
         """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
         n_mat = {"mv": 1, "gate_up": 2 * N_SEL, "down": N_SEL}[self.kind]
@@ -168,6 +180,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
+    ap.add_argument("--tc-splits", default="default,1,2,4,8",
+                    help="K splits of the tensor-core Q4_K matvec (tcmatvec.py) to time on mv/out cases ('' = none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -213,6 +227,22 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
+            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if qt == TC.Q4_K and case.kind == "mv" else []
+            if tc_splits:
+                row["tc_rel_err_vs_words"] = case.tc_check()
+                xt0 = TC.prepare_x(case.x)
+                tp = graph_time([lambda c=case, o=xt0: TC.prepare_x(c.x, o)])
+                row["tc_prepare_us"] = tp * 1e6
+                print(f"{name:5} {label:28} {tp * 1e6:8.2f} us tensor-core x preparation; tc vs words: rel err "
+                      f"{row['tc_rel_err_vs_words']:.2e}", flush=True)
+            for spec in tc_splits:
+                sp = None if spec == "default" else int(spec)
+                if sp and (k // 256) % sp:
+                    continue
+                tt = graph_time(case.tcfns(sp))
+                row.setdefault("tc", {})[spec] = tt * 1e6
+                print(f"{name:5} {label:28} {tt * 1e6:8.2f} us {case.bytes / tt / 1e9:6.0f} GB/s tensor cores, split "
+                      f"{spec} ({TC.tc_split(m, k // 256, dev) if sp is None else sp})", flush=True)
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
                 if "best_tile" in row else ""
