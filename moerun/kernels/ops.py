@@ -10,11 +10,15 @@ from moerun.kernels.torch_ops import TorchOps
 
 def make_ops(name: str) -> Any:
     """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel);
-    "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs)."""
+    "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs);
+    "triton-tc" -> TritonOps with Q4_K matvecs on the tensor-core kernel (tcmatvec.py, an experiment)."""
     if name == "torch":
         return TorchOps()
-    if name in ("triton", "triton-bytes"):
+    if name in OPS_NAMES:
         from moerun.kernels.triton_ops import TritonOps
 
-        return TritonOps(words=name == "triton")
-    raise MoerunError(f"unknown decode ops {name!r}; use 'triton', 'triton-bytes' or 'torch'")
+        return TritonOps(words=name != "triton-bytes", tc=name == "triton-tc")
+    raise MoerunError(f"unknown decode ops {name!r}; use one of {', '.join(OPS_NAMES)} or 'torch'")
+
+
+OPS_NAMES = ("triton", "triton-bytes", "triton-tc")  # the TritonOps variants

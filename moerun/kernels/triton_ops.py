@@ -13,6 +13,7 @@ from moerun.kernels.torch_ops import TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import qmatvec as qk
+from moerun.kernels.triton import tcmatvec as tc
 from moerun.kernels.triton import wmatvec as wk
 
 
@@ -20,12 +21,16 @@ class TritonOps:
     """Fused Triton kernels for every decode-step op.
 
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
-    permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels."""
+    permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
+    tc: Q4_K matvecs (K % 256 == 0) run on tcmatvec's tensor-core kernel instead, x prepared by one more launch
+    per product (an experiment: benchmarks/NOTES.md 7e)."""
 
     name = "triton"
 
-    def __init__(self, words: bool = True) -> None:
+    def __init__(self, words: bool = True, tc: bool = False) -> None:
         self.words = words
+        self.tc = tc
+        self._tc_x: dict[tuple, tc.TcX] = {}
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -36,6 +41,8 @@ class TritonOps:
 
     def kernel_name(self, qtype: int) -> str:
         """The decode path of a weight type, for the bench's path column."""
+        if self.tc and qtype == tc.Q4_K:
+            return "triton-words+tc(mv)"
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
                      for kd, table in wk.KERNELS.items() if qtype in table]
@@ -53,6 +60,11 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
+        if self.tc and qtype == tc.Q4_K and x.shape[-1] % 256 == 0:
+            key = (x.shape[-1], x.device)
+            if key not in self._tc_x:  # first use: the warm-up before a graph capture
+                self._tc_x[key] = tc.prepare_x(x)
+            return tc.qmatvec_tc(w, tc.prepare_x(x, self._tc_x[key]), out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)

@@ -26,7 +26,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 24
-OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes", "triton-tc"] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -82,6 +82,7 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").kernel_name(8) == "triton-words"
     assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
     assert make_ops("triton-bytes").kernel_name(12) == "triton"
+    assert make_ops("triton-tc").tc and make_ops("triton-tc").kernel_name(12) == "triton-words+tc(mv)"
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
         make_ops("cuda-magic")

@@ -94,3 +94,18 @@ def test_rejects_bad_shapes(device) -> None:
 def test_split_heuristic() -> None:
     cpu = torch.device("cpu")  # 4 "SMs" for the interpreter
     assert tc.tc_split(50304, 8, cpu) == 1 and tc.tc_split(64, 8, cpu) == 8 and tc.tc_split(64, 3, cpu) == 1
+
+
+def test_triton_ops_dispatch(device, rng) -> None:
+    """TritonOps(tc=True) sends Q4_K matvecs (K % 256 == 0) to the tensor-core kernel, x prepared into one buffer."""
+    from moerun.kernels.triton_ops import TritonOps
+
+    gen, seed = rng
+    raw, dense = quant_weights(Q4_K, (40,), 512, gen, device)
+    x = vec(gen, 512)
+    ops = TritonOps(tc=True)
+    out = ops.qmatvec(raw, Q4_K, x.to(device), torch.full((40,), float("nan"), device=device))
+    check_bound(out, dense @ x.double(), dense.abs() @ x.double().abs(), seed, "TritonOps(tc=True)", tol=TOL)
+    assert list(ops._tc_x) == [(512, x.to(device).device)]
+    want = tc.qmatvec_tc(raw, tc.prepare_x(x.to(device)), torch.empty(40, device=device))
+    assert torch.equal(out, want)
