@@ -25,7 +25,8 @@ from moerun.quant import random_blocks
 N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
            "down6": "_wdown6_kernel",
-           "tcmv": "_tcmv_kernel"}  # mv6 / down6: Q6_K; tcmv: tcmatvec.py's tensor-core Q4_K matvec (its own tile)
+           "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel"}
+# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core Q4_K kernels (their own tile: 64 rows, 4 warps)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -46,16 +47,20 @@ def _q6k(*lead_k: int) -> torch.Tensor:
 def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     """The wrapper's launch (args, kwargs) for one kernel kind at OLMoE sizes, on CPU tensors."""
     name = KERNELS[kind]
-    mod = tc if kind == "tcmv" else wk
+    mod = tc if kind.startswith("tc") else wk
     rec = _Recorder(getattr(mod, name))
     real = getattr(mod, name)
     setattr(mod, name, rec)
     ids = torch.arange(TOPK, dtype=torch.int32)
     try:
         if kind == "tcmv":
-            nb = N // 256
-            tc.qmatvec_tc(_q4k(N, N), tc.TcX(torch.zeros(nb, 256, 16, dtype=torch.float16), torch.ones(nb),
-                                            torch.zeros(nb * 8)), torch.empty(N))
+            tc.qmatvec_tc(_q4k(N, N), tc.empty_x(N, torch.device("cpu")), torch.empty(N))
+        elif kind == "tcgate_up":
+            w = _q4k(E, F, N)
+            tc.moe_gate_up_tc(w, w, tc.empty_x(N, torch.device("cpu")), ids, tc.empty_x(F, torch.device("cpu"), TOPK))
+        elif kind == "tcdown":
+            tc.moe_down_tc(_q4k(E, N, F), tc.empty_x(F, torch.device("cpu"), TOPK), ids, torch.ones(TOPK),
+                           torch.zeros(N), torch.empty(N))
         elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
@@ -83,13 +88,13 @@ def main() -> None:
     print("| kernel | tile | regs | spill B | loop instr | /weight | " + " | ".join(cols) + " |")
     print("|---|---|---:|---:|---:|---:|" + "---:|" * len(cols))
     for kind in args.kinds.split(","):
-        for spec in ["-"] if kind == "tcmv" else args.tiles.split(","):
-            tile = wk.WTile(tc.TC_BN, 1, 4) if kind == "tcmv" else wk.WTile(*(int(v) for v in spec.split("x")))
+        for spec in ["-"] if kind.startswith("tc") else args.tiles.split(","):
+            tile = wk.WTile(tc.TC_BN, 1, 4) if kind.startswith("tc") else wk.WTile(*(int(v) for v in spec.split("x")))
             a, kw = record(kind, tile)
-            ck = compile_launch(getattr(tc if kind == "tcmv" else wk, KERNELS[kind]), a, kw)
+            ck = compile_launch(getattr(tc if kind.startswith("tc") else wk, KERNELS[kind]), a, kw)
             sass, res = sass_of(ck)
             body = main_loop(sass)
-            per_trip = tile.rows * kw.get("NB", 1) * 256 * (2 if kind == "gate_up" else 1)  # weights per loop trip
+            per_trip = tile.rows * kw.get("NB", 1) * 256 * (2 if kind.endswith("gate_up") else 1)  # per loop trip
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)

@@ -13,10 +13,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
 
+from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import tcmatvec as tc  # noqa: E402
 
 Q4_K = int(T.Q4_K)
@@ -34,25 +36,28 @@ def test_prepare_x(scale, device, rng) -> None:
     gen, seed = rng
     k = 512
     x = vec(gen, k) * scale
-    x[300:310] *= 1e3  # one block with a much larger range than the other
+    x[300:310] *= 1e3  # one sub-block with a much larger range than the others
+    x[64:96] = 0.0  # and an empty one
     p = tc.prepare_x(x.to(device))
     xb, g, xs = (t.cpu() for t in p)
     cols = tc.tc_column_weights()
+    sub = cols // 32  # sub-block (within the block) of each column's weight
+    xd = x.double()
+    mx = xd.view(-1, 32).abs().amax(1)
+    assert (g > mx).all() and ((g <= 2 * mx) | (mx == 0)).all(), f"g not just above max |x| (seed {seed})"
+    assert torch.equal(torch.log2(g), torch.log2(g).round())  # powers of two
     for b in range(k // 256):
-        xv = x[b * 256:(b + 1) * 256].double()
-        assert g[b] > xv.abs().max() and g[b] <= 2 * xv.abs().max()  # power of two just above max |x|
-        assert torch.log2(g[b]).item() == round(torch.log2(g[b]).item())
-        sub = cols // 32  # sub-block of each column's weight
         tile = xb[b].double()  # [256, 16]
         mask = torch.zeros(256, 16, dtype=torch.bool)
         mask[torch.arange(256), 2 * sub] = True
         mask[torch.arange(256), 2 * sub + 1] = True
         assert (tile[~mask] == 0).all(), f"off-diagonal entries (seed {seed})"
-        back = (tile[torch.arange(256), 2 * sub] + tile[torch.arange(256), 2 * sub + 1]) * g[b].double()
-        err = (back - xv[cols]).abs().max().item()
-        assert err <= 2**-21 * xv.abs().max().item(), f"x = g (hi + lo) off by {err:.3g} (seed {seed})"
-        sums, scale_sums = xv.view(8, 32).sum(1), xv.view(8, 32).abs().sum(1)  # float32 sums of 32: ~1e-7 x sum|x|
-        assert ((xs[b * 8:(b + 1) * 8].double() - sums).abs() <= 1e-6 * scale_sums).all(), f"sums (seed {seed})"
+        gw = g[b * 8 + sub].double()  # each column's scale
+        back = (tile[torch.arange(256), 2 * sub] + tile[torch.arange(256), 2 * sub + 1]) * gw
+        err = ((back - xd[b * 256 + cols]).abs() / mx[b * 8 + sub].clamp_min(1e-300)).max().item()
+        assert err <= 2**-21, f"x = g (hi + lo) off by {err:.3g} x max |x| of its 32 (seed {seed})"
+    sums, scale_sums = xd.view(-1, 32).sum(1), xd.view(-1, 32).abs().sum(1)  # float32 sums of 32: ~1e-7 x sum|x|
+    assert ((xs.double() - sums).abs() <= 1e-6 * scale_sums).all(), f"sums (seed {seed})"
 
 
 @pytest.mark.parametrize("m,n_blk,res,split", [(1, 1, False, None), (37, 3, True, 1), (37, 3, True, 3),
@@ -109,3 +114,56 @@ def test_triton_ops_dispatch(device, rng) -> None:
     assert list(ops._tc_x) == [(512, x.to(device).device)]
     want = tc.qmatvec_tc(raw, tc.prepare_x(x.to(device)), torch.empty(40, device=device))
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("split", [None, 1, 2])
+@pytest.mark.parametrize("out_tc", [False, True], ids=["f32", "tcx"])
+def test_moe_gate_up_tc(out_tc, split, device, rng) -> None:
+    gen, seed = rng
+    e, f, k = 5, (256 if out_tc else 100), 512
+    wg, dg = quant_weights(Q4_K, (e, f), k, gen, device)
+    wu, du = quant_weights(Q4_K, (e, f), k, gen, device)
+    x = vec(gen, k)
+    ids = torch.tensor([4, 1, 3], dtype=torch.int32)
+    g, u = dg[ids.long()] @ x.double(), du[ids.long()] @ x.double()  # [n_sel, F]
+    a = ACTIVATIONS["silu"](g)
+    ref = a * u
+    xa = x.double().abs()
+    bound = 1.2 * (dg[ids.long()].abs() @ xa) * u.abs() + a.abs() * (du[ids.long()].abs() @ xa)
+    xp = tc.prepare_x(x.to(device))
+    if out_tc:
+        h = tc.moe_gate_up_tc(wg, wu, xp, ids.to(device), tc.empty_x(f, device, len(ids)), split=split)
+        cols = tc.tc_column_weights()
+        got_h = torch.stack([(h.xb[b, :, 0::2].double() + h.xb[b, :, 1::2].double()).sum(1) for b in
+                             range(h.xb.shape[0])])  # [blocks, 256]: hi + lo of each column (one nonzero pair)
+        gw = h.g.cpu().double().view(-1, 8)[:, (cols // 32)]  # [blocks, 256]
+        vals = torch.empty(h.xb.shape[0], 256, dtype=torch.float64)
+        vals[:, cols] = got_h.cpu() * gw
+        check_bound(vals.reshape(-1), ref.reshape(-1), bound.reshape(-1), seed, "gate/up into a TcX", tol=TOL)
+    else:
+        out = torch.full((len(ids), f), float("nan"), device=device)
+        got = tc.moe_gate_up_tc(wg, wu, xp, ids.to(device), out, split=split)
+        assert got is out
+        check_bound(out, ref, bound, seed, f"Q4_K tensor-core gate/up split={split}", tol=TOL)
+    for _part, count in tc._SCRATCH.values():
+        assert (count == 0).all()
+
+
+@pytest.mark.parametrize("split", [None, 1, 3])
+def test_moe_down_tc(split, device, rng) -> None:
+    gen, seed = rng
+    e, n, f = 6, 70, 512
+    wd, dd = quant_weights(Q4_K, (e, n), f, gen, device)
+    ids = torch.tensor([5, 0, 2], dtype=torch.int32)
+    h = torch.from_numpy(gen.standard_normal((3, f)).astype(np.float32)) * torch.tensor([[1.0], [1e3], [1e-3]])
+    wts = torch.tensor([0.5, 0.25, 0.125])
+    res = vec(gen, n)
+    ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ h[i].double()) for i in range(3))
+    bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ h[i].double().abs()) for i in range(3))
+    out = torch.full((n,), float("nan"), device=device)
+    hx = tc.prepare_x(h.reshape(-1).to(device))
+    got = tc.moe_down_tc(wd, hx, ids.to(device), wts.to(device), res.to(device), out, split=split)
+    assert got is out
+    check_bound(out, ref, bound, seed, f"Q4_K tensor-core down split={split}", tol=TOL)
+    again = tc.moe_down_tc(wd, hx, ids.to(device), wts.to(device), res.to(device), torch.empty_like(out), split=split)
+    assert torch.equal(again, out)

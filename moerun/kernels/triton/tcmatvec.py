@@ -10,7 +10,7 @@ tensor cores can take the multiply-adds off the ALUs anyway, if the weights reac
   exact and only the float32 accumulation rounds.
 - x enters as the MMA's other operand, block-diagonal: XB[256, 16] for one 256-weight block, where column 2c
   holds x_hi of sub-block c and column 2c + 1 its x_lo (x = g (x_hi + x_lo), two f16 parts of ~22 bits together
-  and g a power of two per block, so neither overflows). One product Q[BN rows, 256] @ XB gives every row's
+  and g a power of two per 32 weights, so neither overflows). One product Q[BN rows, 256] @ XB gives every row's
   eight sub-block sums twice (hi and lo parts) in float32; the epilogue scales them by d sc (and 1/16 for the
   high nibbles) and subtracts dmin m times the sub-block sums of x, per row, in float32.
 
@@ -18,8 +18,13 @@ So a weight costs one and-or per pair, one HADD2 per pair, a shared-memory store
 feeds decoded registers to the MMA through shared memory) and a share of the header work: ~2 instructions
 against 5.5 (benchmarks/sass_wmatvec.py --kinds tcmv).
 
-- `prepare_x`   x f32 [K] -> TcX(xb f16 [K/256, 256, 16], g f32 [K/256], xs f32 [K/32])
-- `qmatvec_tc`  out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix, x prepared
+- `prepare_x`       x f32 [K] -> TcX(xb f16 [K/256, 256, 16], g f32 [K/32], xs f32 [K/32])
+- `qmatvec_tc`      out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix, x prepared
+- `moe_gate_up_tc`  h[i] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x), h written as f32 or prepared (TcX)
+- `moe_down_tc`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), h prepared
+
+Small products split K across programs (`tc_split`); each output's last program to finish sums the parts in a
+fixed order (bit-identical run to run).
 
 Column order inside a block: the decoder builds the [BN, 256] tile of one block as
 j = 8 w + 4 h + 2 s + p for qs word w (0..31), nibble h (0 low, 1 high), byte pair s (0: bytes 0 and 2, 1:
@@ -36,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.triton.qmatvec import sm_count
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, sm_count
 from moerun.kernels.triton.wmatvec import _scale_min, _words
 
 Q4_K = 12
@@ -46,12 +51,20 @@ MAGIC, LO_NIB, HI_NIB = 0x64006400, 0x000F000F, 0x00F000F0  # runtime args: one 
 
 
 class TcX(NamedTuple):
-    """x prepared for the tensor-core kernels: xb f16 [K/256, 256, 16] (block-diagonal hi/lo parts in the
-    decoder's column order), g f32 [K/256] (x = g (hi + lo) per block), xs f32 [K/32] (sums of x per 32)."""
+    """x prepared for the tensor-core kernels: xb f16 [K/256, 256, 16] (per block the hi/lo parts on the
+    diagonal, in the decoder's column order; every other entry zero, and never written again), g f32 [K/32]
+    (x = g (hi + lo) per 32 weights, a power of two) and xs f32 [K/32] (the sums of x per 32)."""
 
     xb: torch.Tensor
     g: torch.Tensor
     xs: torch.Tensor
+
+
+def empty_x(k: int, device: torch.device, lead: int = 1) -> TcX:
+    """Buffers for `lead` prepared vectors of K (xb zeroed once: producers write only its diagonal)."""
+    return TcX(torch.zeros(lead * k // 256, 256, 16, dtype=torch.float16, device=device),
+               torch.empty(lead * k // 32, dtype=torch.float32, device=device),
+               torch.empty(lead * k // 32, dtype=torch.float32, device=device))
 
 
 def tc_column_weights() -> torch.Tensor:
@@ -65,30 +78,33 @@ def tc_column_weights() -> torch.Tensor:
 
 
 @triton.jit
-def _prep_x_kernel(x_ptr, xb_ptr, g_ptr, xs_ptr):
-    """Grid (K/256,): one block's XB [256, 16] (zeros off the diagonal), its power-of-two scale g and its
-    eight sums of 32 (in weight order)."""
-    b = tl.program_id(0)
-    j = tl.arange(0, 256)
-    w = j // 8
-    h = (j // 4) % 2
-    widx = 64 * (w // 8) + 32 * h + 4 * (w % 8) + (j // 2) % 2 + 2 * (j % 2)  # tc_column_weights
-    x = tl.load(x_ptr + b * 256 + widx)  # [256] in column order
-    m = tl.max(tl.abs(x), axis=0)
-    e = tl.minimum((m.to(tl.int32, bitcast=True) >> 23) & 255, 252)  # biased exponent of max |x|
-    g = ((e - 126 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 126) > max |x|
+def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr):
+    """Write x values v f32 [32 NSUB] at positions k [32 NSUB] (whole, aligned runs of 32: k = k0 + arange,
+    k0 % 32 == 0) into TcX buffers: per 32, g = the power of two just above max |v| (so |v / g| < 1 and the f16
+    parts neither overflow nor lose the small values), hi = f16(v / g), lo = f16(v / g - hi), the sum of v."""
+    v2 = tl.reshape(v, [NSUB, 32])
+    k2 = tl.reshape(k, [NSUB, 32])
+    e = tl.minimum((tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 255, 252)  # [NSUB]
+    g = ((e + 1) << 23).to(tl.float32, bitcast=True)  # 2^(e - 126)
     inv = ((253 - e) << 23).to(tl.float32, bitcast=True)  # 1 / g, exact
-    xsc = x * inv  # |xsc| < 1
-    hi = xsc.to(tl.float16)
-    lo = (xsc - hi.to(tl.float32)).to(tl.float16)
-    col = tl.arange(0, 16)
-    sub = 2 * (w // 8) + h  # [256] sub-block of column j
-    tile = tl.where(col[None, :] == 2 * sub[:, None], hi[:, None],
-                    tl.where(col[None, :] == 2 * sub[:, None] + 1, lo[:, None], 0.0))
-    tl.store(xb_ptr + b * 4096 + j[:, None] * 16 + col[None, :], tile.to(tl.float16))
-    tl.store(g_ptr + b, g)
-    xw = tl.reshape(tl.load(x_ptr + b * 256 + j), [8, 32])  # weight order: sub-block c = rows of 32
-    tl.store(xs_ptr + b * 8 + tl.arange(0, 8), tl.sum(xw, axis=1))
+    vs = v2 * inv[:, None]
+    hi = vs.to(tl.float16)
+    lo = (vs - hi.to(tl.float32)).to(tl.float16)
+    wi = k2 % 256  # = 64 c + 32 h + 4 t + q: column 8 (8 c + t) + 4 h + 2 (q % 2) + q // 2, sub-block 2 c + h
+    j = 8 * (8 * (wi // 64) + (wi // 4) % 8) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
+    dst = xb_ptr + (k2 // 256) * 4096 + j * 16 + 2 * (wi // 32)
+    tl.store(dst, hi)
+    tl.store(dst + 1, lo)
+    sub = tl.min(k2, axis=1) // 32
+    tl.store(g_ptr + sub, g)
+    tl.store(xs_ptr + sub, tl.sum(v2, axis=1))
+
+
+@triton.jit
+def _prep_x_kernel(x_ptr, xb_ptr, g_ptr, xs_ptr):
+    """Grid (K/256,): block b of x into TcX buffers."""
+    k = tl.program_id(0) * 256 + tl.arange(0, 256)
+    _tc_store_x(tl.load(x_ptr + k), k, xb_ptr, g_ptr, xs_ptr, 8)
 
 
 @triton.jit
@@ -111,12 +127,56 @@ def _q4k_tile(qs, magic, lo_nib, hi_nib, BN: tl.constexpr):
 
 
 @triton.jit
+def _xb_tile(xb_ptr, kb):
+    """Block kb of a TcX's xb: f16 [256, 16]."""
+    return tl.load(xb_ptr + kb * 4096 + tl.arange(0, 256)[:, None] * 16 + tl.arange(0, 16)[None, :])
+
+
+@triton.jit
+def _tc_block(acc, bp, ok, xb, g_ptr, xs_ptr, kb, scale, magic, lo_nib, hi_nib, BN: tl.constexpr):
+    """acc [BN, 16] += one Q4_K block of BN rows (bp: int32 pointers [BN] to each row's block) times x's block kb
+    (xb its tile, g/xs its TcX scales and sums), times `scale` (a routing weight, or 1). sum(acc, axis=1) is
+    then the rows' dot products: column 2c + i holds sub-block c's sum over x's part i scaled by d sc_c, and
+    column 2c also minus dmin m_c times the sub-block's sum of x."""
+    c8 = tl.arange(0, 8)
+    qs = tl.load(bp[:, None] + 4 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0)  # [BN, 32]
+    p = tl.dot(_q4k_tile(qs, magic, lo_nib, hi_nib, BN), xb)  # [BN, 16]: sub-block sums, hi and lo parts
+    h0 = tl.load(bp, mask=ok, other=0)
+    h1 = tl.load(bp + 1, mask=ok, other=0)[:, None]
+    h2 = tl.load(bp + 2, mask=ok, other=0)[:, None]
+    h3 = tl.load(bp + 3, mask=ok, other=0)[:, None]
+    d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    dmin = (h0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    sc, mn = _scale_min(h1, h2, h3, c8[None, :])  # [BN, 8]
+    gh = tl.load(g_ptr + kb * 8 + c8) * tl.where(c8 % 2 == 1, 1.0 / 16.0, 1.0)  # high nibbles hold 16 q
+    s = d[:, None] * sc * gh[None, :]
+    mterm = dmin[:, None] * mn * tl.load(xs_ptr + kb * 8 + c8)[None, :]
+    return acc + p * tl.reshape(tl.join(s, s), [BN, 16]) - tl.reshape(tl.join(mterm, tl.zeros_like(mterm)),
+                                                                      [BN, 16])
+
+
+@triton.jit
+def _split_sum(v, part_ptr, count_ptr, cnt, sp, stride, off, ok, SPLIT: tl.constexpr):
+    """K split epilogue: store this program's part v [R] at part[sp * stride + off]; the last of the SPLIT programs
+    sharing counter `cnt` to arrive (an acq_rel counter after a CTA barrier; it resets the counter) gets
+    (True, the parts summed in order 0 .. SPLIT-1), the others (False, zeros)."""
+    tl.store(part_ptr + sp * stride + off, v, mask=ok)
+    tl.debug_barrier()  # every thread's stores before the release below
+    last = tl.atomic_add(count_ptr + cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    total = tl.zeros_like(v)
+    if last:
+        for j in range(SPLIT):
+            total += tl.load(part_ptr + j * stride + off, mask=ok, other=0.0, volatile=True)
+        tl.atomic_xchg(count_ptr + cnt, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@triton.jit
 def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count_ptr, M, magic, lo_nib, hi_nib,
                  N_BLOCKS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr):
     """Grid (cdiv(M, BN), SPLIT): program (i, s) takes rows i BN .. + BN over blocks s NB/SPLIT .. (s + 1) NB/SPLIT.
     w: int32 [M, 36 N_BLOCKS]; xb/g/xs: `TcX`; res/out: f32 [M]; part: f32 [SPLIT, M] and count: int32
-    [cdiv(M, BN)] (zeros; left zero) when SPLIT > 1: each program stores its part, and the row block's last one
-    to finish (an acq_rel counter after a CTA barrier) writes out = the parts summed in order (+ res)."""
+    [cdiv(M, BN)] (zeros; left zero) when SPLIT > 1 (`_split_sum`)."""
     SW: tl.constexpr = 36 * N_BLOCKS  # words per row (a constant: 16-byte aligned row starts)
     NBS: tl.constexpr = N_BLOCKS // SPLIT
     blk = tl.program_id(0)
@@ -124,66 +184,113 @@ def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count
     row = blk * BN + tl.arange(0, BN)
     ok = row < M
     wp = w_ptr + row.to(tl.int64) * SW  # [BN]
-    c8 = tl.arange(0, 8)
-    col = tl.arange(0, 16)
-    half = tl.where(c8 % 2 == 1, 1.0 / 16.0, 1.0)  # high-nibble sub-blocks hold 16 q
     acc = tl.zeros([BN, 16], dtype=tl.float32)
     for i in range(NBS):
         kb = sp * NBS + i
-        bp = wp + kb * 36
-        qs = tl.load(bp[:, None] + 4 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0)  # [BN, 32]
-        xb = tl.load(xb_ptr + kb * 4096 + tl.arange(0, 256)[:, None] * 16 + col[None, :])  # [256, 16] f16
-        p = tl.dot(_q4k_tile(qs, magic, lo_nib, hi_nib, BN), xb)  # [BN, 16]: sub-block sums, hi and lo
-        h0 = tl.load(bp, mask=ok, other=0)
-        h1 = tl.load(bp + 1, mask=ok, other=0)[:, None]
-        h2 = tl.load(bp + 2, mask=ok, other=0)[:, None]
-        h3 = tl.load(bp + 3, mask=ok, other=0)[:, None]
-        d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (h0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        sc, mn = _scale_min(h1, h2, h3, c8[None, :])  # [BN, 8]
-        s = (d * tl.load(g_ptr + kb))[:, None] * sc * half[None, :]
-        mterm = dmin[:, None] * mn * tl.load(xs_ptr + kb * 8 + c8)[None, :]
-        # column 2c (x_hi) and 2c + 1 (x_lo) scaled by sub-block c's scale; its min term taken once, at 2c
-        acc += p * tl.reshape(tl.join(s, s), [BN, 16]) - tl.reshape(tl.join(mterm, tl.zeros_like(mterm)), [BN, 16])
+        acc = _tc_block(acc, wp + kb * 36, ok, _xb_tile(xb_ptr, kb), g_ptr, xs_ptr, kb, 1.0, magic, lo_nib, hi_nib,
+                        BN)
     out = tl.sum(acc, axis=1)
+    last = True
     if SPLIT > 1:
-        tl.store(part_ptr + sp * M + row, out, mask=ok)
-        tl.debug_barrier()  # every thread's stores before the release below
-        if tl.atomic_add(count_ptr + blk, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            out = tl.zeros([BN], dtype=tl.float32)
-            for j in range(SPLIT):
-                out += tl.load(part_ptr + j * M + row, mask=ok, other=0.0, volatile=True)
-            if HAS_RES:
-                out += tl.load(res_ptr + row, mask=ok, other=0.0)
-            tl.store(out_ptr + row, out, mask=ok)
-            tl.atomic_xchg(count_ptr + blk, 0, sem="relaxed", scope="gpu")
-    else:
+        last, out = _split_sum(out, part_ptr, count_ptr, blk, sp, M, row, ok, SPLIT)
+    if last:
         if HAS_RES:
             out += tl.load(res_ptr + row, mask=ok, other=0.0)
         tl.store(out_ptr + row, out, mask=ok)
+
+
+@triton.jit
+def _tcgate_up_kernel(wg_ptr, wu_ptr, xb_ptr, g_ptr, xs_ptr, ids_ptr, out_ptr, hb_ptr, hg_ptr, hs_ptr, part_ptr,
+                      count_ptr, F, stride_ge, stride_ue, magic, lo_nib, hi_nib, N_BLOCKS: tl.constexpr,
+                      BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, OUT_TC: tl.constexpr):
+    """Grid (cdiv(F, BN), n_sel, SPLIT): rows i BN .. + BN of expert ids[e]'s gate and up matrices over blocks
+    s NB/SPLIT .., x shared. wg/wu: int32 [E, F, 36 N_BLOCKS]; xb/g/xs: `TcX` of x; out: f32 [n_sel, F] gets
+    h = act(gate) * up, or with OUT_TC the TcX of h as one vector of n_sel F (hb/hg/hs; F % 256 == 0) for a
+    tensor-core down product. part: f32 [SPLIT, 2, n_sel, F] and count: int32 [n_sel, cdiv(F, BN)] when SPLIT > 1."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    NBS: tl.constexpr = N_BLOCKS // SPLIT
+    blk = tl.program_id(0)
+    sel = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_sel = tl.num_programs(1)
+    row = blk * BN + tl.arange(0, BN)
+    ok = row < F
+    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    gp = wg_ptr + eid * stride_ge + row.to(tl.int64) * SW
+    up = wu_ptr + eid * stride_ue + row.to(tl.int64) * SW
+    acc_g = tl.zeros([BN, 16], dtype=tl.float32)
+    acc_u = tl.zeros([BN, 16], dtype=tl.float32)
+    for i in range(NBS):
+        kb = sp * NBS + i
+        xb = _xb_tile(xb_ptr, kb)
+        acc_g = _tc_block(acc_g, gp + kb * 36, ok, xb, g_ptr, xs_ptr, kb, 1.0, magic, lo_nib, hi_nib, BN)
+        acc_u = _tc_block(acc_u, up + kb * 36, ok, xb, g_ptr, xs_ptr, kb, 1.0, magic, lo_nib, hi_nib, BN)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    last = True
+    if SPLIT > 1:  # gate and up parts side by side, one counter per (expert, row block)
+        rr = tl.join(row, row)  # [BN, 2]
+        off = rr + tl.join(sel * F + tl.zeros_like(row), (n_sel + sel) * F + tl.zeros_like(row))
+        last, gu = _split_sum(tl.join(g, u), part_ptr, count_ptr, sel * tl.num_programs(0) + blk, sp,
+                              2 * n_sel * F, off, rr < F, SPLIT)
+        g, u = tl.split(gu)
+    if last:
+        h = _act(g, ACT) * u
+        if OUT_TC:
+            _tc_store_x(h, sel * F + row, hb_ptr, hg_ptr, hs_ptr, BN // 32)
+        else:
+            tl.store(out_ptr + sel * F + row, h, mask=ok)
+
+
+@triton.jit
+def _tcdown_kernel(w_ptr, hb_ptr, hg_ptr, hs_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, part_ptr, count_ptr, N,
+                   stride_e, magic, lo_nib, hi_nib, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                   BN: tl.constexpr, SPLIT: tl.constexpr):
+    """Grid (cdiv(N, BN), SPLIT): rows i BN .. + BN of out = res + sum_e wts[e] Wd[ids[e]] @ h_e, program s taking
+    experts s N_SEL/SPLIT .. (summed in order; the routing weight folded into the scales). w: int32
+    [E, N, 36 N_BLOCKS]; hb/hg/hs: the TcX of h as one vector of N_SEL F (F = 256 N_BLOCKS); res/out: f32 [N];
+    part: f32 [SPLIT, N] and count: int32 [cdiv(N, BN)] when SPLIT > 1."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    NES: tl.constexpr = N_SEL // SPLIT
+    blk = tl.program_id(0)
+    sp = tl.program_id(1)
+    row = blk * BN + tl.arange(0, BN)
+    ok = row < N
+    acc = tl.zeros([BN, 16], dtype=tl.float32)
+    for i in range(NES):
+        e = sp * NES + i
+        wp = w_ptr + tl.load(ids_ptr + e).to(tl.int64) * stride_e + row.to(tl.int64) * SW
+        wt = tl.load(wts_ptr + e)
+        for kb in range(N_BLOCKS):
+            hk = e * N_BLOCKS + kb
+            acc = _tc_block(acc, wp + kb * 36, ok, _xb_tile(hb_ptr, hk), hg_ptr, hs_ptr, hk, wt, magic, lo_nib,
+                            hi_nib, BN)
+    out = tl.sum(acc, axis=1)
+    last = True
+    if SPLIT > 1:
+        last, out = _split_sum(out, part_ptr, count_ptr, blk, sp, N, row, ok, SPLIT)
+    if last:
+        tl.store(out_ptr + row, out + tl.load(res_ptr + row, mask=ok, other=0.0), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
 def prepare_x(x: torch.Tensor, out: TcX | None = None) -> TcX:
-    """x f32 [K] (K % 256 == 0, natural order) -> TcX for the tensor-core kernels (into `out`'s buffers if given)."""
+    """x f32 [K] (K % 256 == 0, natural order) -> TcX for the tensor-core kernels (into `out`'s buffers if given,
+    which must come from `empty_x`)."""
     k = x.shape[0]
     if x.dim() != 1 or k % 256 or x.dtype != torch.float32:
         raise ValueError(f"prepare_x takes float32 [K] with K % 256 == 0, got {x.dtype} {tuple(x.shape)}")
-    nb = k // 256
-    if out is None:
-        out = TcX(torch.empty(nb, 256, 16, dtype=torch.float16, device=x.device),
-                  torch.empty(nb, dtype=torch.float32, device=x.device),
-                  torch.empty(nb * 8, dtype=torch.float32, device=x.device))
-    _prep_x_kernel[(nb,)](x.contiguous(), out.xb, out.g, out.xs, num_warps=4)
+    out = out or empty_x(k, x.device)
+    _prep_x_kernel[(k // 256,)](x.contiguous(), out.xb, out.g, out.xs, num_warps=4)
     return out
 
 
-def tc_split(m: int, n_blocks: int, device: torch.device) -> int:
-    """K splits for an [M, 256 n_blocks] product: the smallest power of two dividing n_blocks that gives
-    PROGRAMS_PER_SM programs per SM (the row blocks alone are too few for a 2048-row matrix)."""
-    split, row_blocks = 1, triton.cdiv(m, TC_BN)
+def tc_split(m: int, n_blocks: int, device: torch.device, groups: int = 1) -> int:
+    """K splits for `groups` [M, 256 n_blocks] products in one launch: the smallest power of two dividing
+    n_blocks that gives PROGRAMS_PER_SM programs per SM (the row blocks alone are too few for 2048 rows)."""
+    split, row_blocks = 1, triton.cdiv(m, TC_BN) * groups
     while row_blocks * split < PROGRAMS_PER_SM * sm_count(device) and n_blocks % (split * 2) == 0:
         split *= 2
     return split
@@ -192,14 +299,19 @@ def tc_split(m: int, n_blocks: int, device: torch.device) -> int:
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _scratch(split: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (device, split, M): the parts f32 [split, M] and the row blocks' counters int32 (zero, and left
-    zero by every launch), allocated once (so a CUDA graph may capture the launch)."""
-    key = (device, split, m)
+def _scratch(n_parts: int, n_counts: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parts f32 [n_parts] and counters int32 [n_counts] (zero, and left zero by every launch) per size,
+    allocated once (so a CUDA graph may capture the launch)."""
+    key = (device, n_parts, n_counts)
     if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.empty(split, m, dtype=torch.float32, device=device),
-                         torch.zeros(triton.cdiv(m, TC_BN), dtype=torch.int32, device=device))
+        _SCRATCH[key] = (torch.empty(n_parts, dtype=torch.float32, device=device),
+                         torch.zeros(n_counts, dtype=torch.int32, device=device))
     return _SCRATCH[key]
+
+
+def _check_split(split: int, n: int, what: str) -> None:
+    if n % split:
+        raise ValueError(f"split {split} does not divide the {n} {what}")
 
 
 def qmatvec_tc(w: torch.Tensor, x: TcX, out: torch.Tensor, residual: torch.Tensor | None = None,
@@ -211,12 +323,55 @@ def qmatvec_tc(w: torch.Tensor, x: TcX, out: torch.Tensor, residual: torch.Tenso
     """
     m, nb = w.shape[0], x.xb.shape[0]
     split = split or tc_split(m, nb, w.device)
-    if nb % split:
-        raise ValueError(f"split {split} does not divide the {nb} blocks of K = {256 * nb}")
+    _check_split(split, nb, f"blocks of K = {256 * nb}")
     ww = _words(w, 256 * nb)
-    part, count = _scratch(split, m, w.device) if split > 1 else (out, out)
+    part, count = _scratch(split * m, triton.cdiv(m, TC_BN), w.device) if split > 1 else (out, out)
     _tcmv_kernel[(triton.cdiv(m, TC_BN), split)](
         ww, x.xb, x.g, x.xs, out if residual is None else residual, out, part, count, m, MAGIC, LO_NIB, HI_NIB,
         N_BLOCKS=nb, BN=TC_BN, SPLIT=split, HAS_RES=residual is not None, num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.Tensor, out: torch.Tensor | TcX,
+                   act: str = "silu", *, split: int | None = None) -> torch.Tensor | TcX:
+    """h[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts on tensor cores, in one launch.
+
+    w_gate/w_up: uint8 [E, F, row_bytes]; x: `prepare_x(x)`; ids: int [n_sel] on the device; out: f32 [n_sel, F],
+    or a TcX of n_sel F (`empty_x(F, device, n_sel)`, F % 256 == 0) to feed `moe_down_tc`. Returns out.
+    """
+    f, nb, n_sel = w_gate.shape[1], x.xb.shape[0], ids.shape[0]
+    out_tc = isinstance(out, TcX)
+    if out_tc and (f % 256 or out.xb.shape[0] != n_sel * f // 256):
+        raise ValueError(f"a TcX h needs F % 256 == 0 and {n_sel} x {f} values, got F = {f}, xb {tuple(out.xb.shape)}")
+    split = split or tc_split(f, nb, w_gate.device, n_sel)
+    _check_split(split, nb, f"blocks of K = {256 * nb}")
+    wg, wu = _words(w_gate, 256 * nb), _words(w_up, 256 * nb)
+    part, count = (_scratch(split * 2 * n_sel * f, n_sel * triton.cdiv(f, TC_BN), wg.device) if split > 1
+                   else (wg, wg))
+    h = out.xb if out_tc else out
+    _tcgate_up_kernel[(triton.cdiv(f, TC_BN), n_sel, split)](
+        wg, wu, x.xb, x.g, x.xs, ids, h, h, out.g if out_tc else h, out.xs if out_tc else h, part, count, f,
+        wg.stride(0), wu.stride(0), MAGIC, LO_NIB, HI_NIB, N_BLOCKS=nb, BN=TC_BN, SPLIT=split,
+        ACT=ACTIVATIONS[act], OUT_TC=out_tc, num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def moe_down_tc(w_down: torch.Tensor, h: TcX, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
+                out: torch.Tensor, *, split: int | None = None) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K experts on tensor cores, summed in
+    order. w_down: uint8 [E, N, row_bytes]; h: TcX of n_sel F (`moe_gate_up_tc`'s); ids: int [n_sel];
+    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual); split: experts per program = n_sel / split
+    (default `tc_split` over the experts). Returns out."""
+    n, n_sel = w_down.shape[1], ids.shape[0]
+    nb = h.xb.shape[0] // n_sel
+    split = split or tc_split(n, n_sel, w_down.device)
+    _check_split(split, n_sel, "selected experts")
+    wd = _words(w_down, 256 * nb)
+    part, count = _scratch(split * n, triton.cdiv(n, TC_BN), wd.device) if split > 1 else (out, out)
+    _tcdown_kernel[(triton.cdiv(n, TC_BN), split)](
+        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, wd.stride(0), MAGIC, LO_NIB, HI_NIB,
+        N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2,
     )
     return out
