@@ -22,15 +22,15 @@ class TritonOps:
 
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
-    tc: Q4_K matvecs (K % 256 == 0) run on tcmatvec's tensor-core kernel instead, x prepared by one more launch
-    per product (an experiment: benchmarks/NOTES.md 7e)."""
+    tc: Q4_K products (K % 256 == 0) run on tcmatvec's tensor-core kernels instead: x prepared by one more launch
+    per product, h handed from gate/up to down prepared (an experiment: benchmarks/NOTES.md 7e)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, tc: bool = False) -> None:
         self.words = words
         self.tc = tc
-        self._tc_x: dict[tuple, tc.TcX] = {}
+        self._tc_x: dict[tuple, tc.TcX] = {}  # prepared x per (K, device); h per ("h", n_sel, F, device)
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -42,7 +42,7 @@ class TritonOps:
     def kernel_name(self, qtype: int) -> str:
         """The decode path of a weight type, for the bench's path column."""
         if self.tc and qtype == tc.Q4_K:
-            return "triton-words+tc(mv)"
+            return "triton-words+tc"
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
                      for kd, table in wk.KERNELS.items() if qtype in table]
@@ -56,22 +56,45 @@ class TritonOps:
         the word kernels (permuted activations)."""
         return self.words and wk.supports(qtype, k, kind)
 
+    def h_layout(self, qtype_gate: int, qtype_up: int, qtype_down: int, f: int) -> bool | str:
+        if self.tc and qtype_gate == qtype_up == qtype_down == tc.Q4_K and f % 256 == 0:
+            return "tc"  # gate/up writes h prepared for the tensor-core down product
+        return self.perm(qtype_down, f, "down")
+
+    def _prepared(self, x: torch.Tensor) -> tc.TcX:
+        """x prepared for the tensor-core kernels, into a buffer per size (allocated on first use: the warm-up)."""
+        key = (x.shape[-1], x.device)
+        if key not in self._tc_x:
+            self._tc_x[key] = tc.empty_x(x.shape[-1], x.device)
+        return tc.prepare_x(x, self._tc_x[key])
+
+    def _h_tc(self, n_sel: int, f: int, device: torch.device) -> tc.TcX:
+        key = ("h", n_sel, f, device)
+        if key not in self._tc_x:
+            self._tc_x[key] = tc.empty_x(f, device, n_sel)
+        return self._tc_x[key]
+
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if self.tc and qtype == tc.Q4_K and x.shape[-1] % 256 == 0:
-            key = (x.shape[-1], x.device)
-            if key not in self._tc_x:  # first use: the warm-up before a graph capture
-                self._tc_x[key] = tc.prepare_x(x)
-            return tc.qmatvec_tc(w, tc.prepare_x(x, self._tc_x[key]), out, residual)
+            return tc.qmatvec_tc(w, self._prepared(x), out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
-                    x_perm: torch.Tensor | None = None, perm_out: bool = False) -> torch.Tensor:
+                    x_perm: torch.Tensor | None = None, perm_out: bool | str = False) -> torch.Tensor:
+        """perm_out: `h_layout`'s answer ("tc": h goes to this object's prepared buffer for `moe_down`)."""
+        tc_ok = self.tc and qtype_gate == qtype_up == tc.Q4_K and x.shape[-1] % 256 == 0
+        if perm_out == "tc" or (tc_ok and not perm_out):
+            if not tc_ok:
+                raise ValueError("h prepared for tensor cores needs Q4_K gate and up matrices with K % 256 == 0")
+            dst = self._h_tc(ids.shape[0], out.shape[-1], out.device) if perm_out == "tc" else out
+            tc.moe_gate_up_tc(w_gate, w_up, self._prepared(x), ids, dst, act)
+            return out
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
         k = x.shape[-1]
@@ -81,7 +104,10 @@ class TritonOps:
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False) -> torch.Tensor:
+                 h_perm: bool | str = False) -> torch.Tensor:
+        if h_perm == "tc":  # h is in the prepared buffer `moe_gate_up` wrote
+            return tc.moe_down_tc(w_down, self._h_tc(ids.shape[0], h.shape[-1], h.device), ids, weights, residual,
+                                  out)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")

@@ -82,7 +82,7 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").kernel_name(8) == "triton-words"
     assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
     assert make_ops("triton-bytes").kernel_name(12) == "triton"
-    assert make_ops("triton-tc").tc and make_ops("triton-tc").kernel_name(12) == "triton-words+tc(mv)"
+    assert make_ops("triton-tc").tc and make_ops("triton-tc").kernel_name(12) == "triton-words+tc"
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
         make_ops("cuda-magic")
