@@ -122,14 +122,33 @@ class Case:
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in self.launches]
 
     def tcfns(self, split: int | None) -> list[Callable[[], object]]:
-        """tcmatvec's tensor-core Q4_K matvec on the same launches; x prepared once outside the timed region."""
-        xt = TC.prepare_x(self.x)
-        return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, split=split) for w in self.ws]
+        """tcmatvec's tensor-core Q4_K kernels on the same launches; x (and down's h) prepared once outside the
+        timed region, gate/up writing h prepared for down (as in the decode step)."""
+        if self.kind == "mv":
+            xt = TC.prepare_x(self.x)
+            return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, split=split) for w in self.ws]
+        if self.kind == "gate_up":
+            xt = TC.prepare_x(self.x)
+            ht = TC.empty_x(self.m, self.x.device, N_SEL)
+            return [lambda w=w, w2=w2, i=i: TC.moe_gate_up_tc(w, w2, xt, i, ht, split=split)
+                    for w, w2, i in self.launches]
+        ht = TC.prepare_x(self.x.reshape(-1))
+        return [lambda w=w, i=i: TC.moe_down_tc(w, ht, i, self.wts, self.res, self.out, split=split)
+                for w, _, i in self.launches]
 
     def tc_check(self) -> float:
-        """Largest |tc - word kernel| / max |word kernel| over the outputs of the first weight copy."""
-        a = W.KERNELS["mv"][self.qtype](self.ws[0], permute_k4(self.x), torch.empty_like(self.out), self.res)
-        b = TC.qmatvec_tc(self.ws[0], TC.prepare_x(self.x), torch.empty_like(self.out), self.res)
+        """Largest |tensor cores - word kernel| / max |word kernel| on the first launch."""
+        if self.kind == "mv":
+            a = W.KERNELS["mv"][self.qtype](self.ws[0], permute_k4(self.x), torch.empty_like(self.out), self.res)
+            b = TC.qmatvec_tc(self.ws[0], TC.prepare_x(self.x), torch.empty_like(self.out), self.res)
+        elif self.kind == "gate_up":
+            w, w2, i = self.launches[0]
+            a = W.KERNELS["gate_up"][self.qtype](w, w2, permute_k4(self.x), i, torch.empty_like(self.out), "silu")
+            b = TC.moe_gate_up_tc(w, w2, TC.prepare_x(self.x), i, torch.empty_like(self.out))
+        else:
+            w, _, i = self.launches[0]
+            a = W.KERNELS["down"][self.qtype](w, permute_k4(self.x), i, self.wts, self.res, torch.empty_like(self.out))
+            b = TC.moe_down_tc(w, TC.prepare_x(self.x.reshape(-1)), i, self.wts, self.res, torch.empty_like(self.out))
         return float((a - b).abs().max() / a.abs().max())
 
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
@@ -181,7 +200,7 @@ def main() -> None:
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     ap.add_argument("--tc-splits", default="default,1,2,4,8",
-                    help="K splits of the tensor-core Q4_K matvec (tcmatvec.py) to time on mv/out cases ('' = none)")
+                    help="K (down: expert) splits of the tensor-core Q4_K kernels (tcmatvec.py) to time ('' = none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -227,22 +246,22 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
-            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if qt == TC.Q4_K and case.kind == "mv" else []
+            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if qt == TC.Q4_K else []
             if tc_splits:
                 row["tc_rel_err_vs_words"] = case.tc_check()
-                xt0 = TC.prepare_x(case.x)
-                tp = graph_time([lambda c=case, o=xt0: TC.prepare_x(c.x, o)])
+                xt0 = TC.prepare_x(case.x.reshape(-1))
+                tp = graph_time([lambda c=case, o=xt0: TC.prepare_x(c.x.reshape(-1), o)])
                 row["tc_prepare_us"] = tp * 1e6
                 print(f"{name:5} {label:28} {tp * 1e6:8.2f} us tensor-core x preparation; tc vs words: rel err "
                       f"{row['tc_rel_err_vs_words']:.2e}", flush=True)
             for spec in tc_splits:
                 sp = None if spec == "default" else int(spec)
-                if sp and (k // 256) % sp:
+                if sp and (N_SEL if case.kind == "down" else k // 256) % sp:
                     continue
                 tt = graph_time(case.tcfns(sp))
                 row.setdefault("tc", {})[spec] = tt * 1e6
                 print(f"{name:5} {label:28} {tt * 1e6:8.2f} us {case.bytes / tt / 1e9:6.0f} GB/s tensor cores, split "
-                      f"{spec} ({TC.tc_split(m, k // 256, dev) if sp is None else sp})", flush=True)
+                      f"{spec}", flush=True)
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
                 if "best_tile" in row else ""
