@@ -31,6 +31,7 @@ class TritonOps:
         self.words = words
         self.tc = tc
         self._tc_x: dict[tuple, tc.TcX] = {}  # prepared x per (K, device); h per ("h", n_sel, F, device)
+        self._tc_norm: dict[tuple, tc.TcX] = {}  # rms_norm outputs it prepared, per (data_ptr, numel)
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -62,7 +63,12 @@ class TritonOps:
         return self.perm(qtype_down, f, "down")
 
     def _prepared(self, x: torch.Tensor) -> tc.TcX:
-        """x prepared for the tensor-core kernels, into a buffer per size (allocated on first use: the warm-up)."""
+        """x prepared for the tensor-core kernels: what rms_norm prepared when it wrote x, else one more launch
+        into a buffer per size (allocated on first use: the warm-up). In the decode step only rms_norm writes
+        the buffers it prepares (xn), so its preparation is current whenever a product reads them."""
+        done = self._tc_norm.get((x.data_ptr(), x.numel()))
+        if done is not None:
+            return done
         key = (x.shape[-1], x.device)
         if key not in self._tc_x:
             self._tc_x[key] = tc.empty_x(x.shape[-1], x.device)
@@ -122,10 +128,15 @@ class TritonOps:
             return TorchOps.embed(w, qtype, ids, out, scale)
         return ek.embed(w, qtype, ids, out, scale)
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
                  out_perm: torch.Tensor | None = None) -> torch.Tensor:
-        return dk.rms_norm(x, w, eps, out, out_perm)
+        n = x.shape[-1]
+        if not (self.tc and x.dim() == 1 and n >= 256 and n & (n - 1) == 0):
+            return dk.rms_norm(x, w, eps, out, out_perm)
+        key = (out.data_ptr(), out.numel())  # prepared as it is written, for the tensor-core products that follow
+        if key not in self._tc_norm:
+            self._tc_norm[key] = tc.empty_x(n, out.device)
+        return dk.rms_norm(x, w, eps, out, out_perm, out_tc=self._tc_norm[key])
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

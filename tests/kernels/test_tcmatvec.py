@@ -116,6 +116,13 @@ def test_triton_ops_dispatch(device, rng) -> None:
     assert ops.h_layout(Q4_K, Q4_K, Q4_K, 1000) is False and TritonOps().h_layout(Q4_K, Q4_K, Q4_K, 1024) is True
     want = tc.qmatvec_tc(raw, tc.prepare_x(x.to(device)), torch.empty(40, device=device))
     assert torch.equal(out, want)
+    # a normed x: rms_norm prepares it as it writes it, and the product reads that preparation (no launch)
+    xn, nw = torch.empty(512, device=device), vec(gen, 512).to(device)
+    ops.rms_norm(x.to(device), nw, 1e-6, xn)
+    assert (xn.data_ptr(), 512) in ops._tc_norm
+    got = ops.qmatvec(raw, Q4_K, xn, torch.empty(40, device=device))
+    assert torch.equal(got, tc.qmatvec_tc(raw, tc.prepare_x(xn), torch.empty(40, device=device)))
+    assert len(ops._tc_x) == 1  # no second preparation buffer
 
 
 @pytest.mark.parametrize("split", [None, 1, 2])
@@ -196,3 +203,18 @@ def test_triton_ops_ffn(layout, device, rng) -> None:
         check_bound(out, ref, bound, seed, "TritonOps tc gate/up -> down", tol=1e-5)
     else:
         torch.testing.assert_close(h.cpu().double(), href, rtol=1e-4, atol=1e-4 * href.abs().max().item())
+
+
+def test_rms_norm_writes_prepared_x(device, rng) -> None:
+    """decode_ops.rms_norm(out_tc=...) prepares its result as prepare_x would, bit for bit."""
+    from moerun.kernels.triton import decode_ops as dk
+
+    gen, seed = rng
+    x, w = vec(gen, 512).to(device), vec(gen, 512).to(device)
+    out, xt = torch.empty(512, device=device), tc.empty_x(512, device)
+    dk.rms_norm(x, w, 1e-6, out, out_tc=xt)
+    want = tc.prepare_x(out)
+    for a, b in zip(xt, want, strict=True):
+        assert torch.equal(a, b), f"seed {seed}"
+    with pytest.raises(ValueError, match="out_tc needs"):
+        dk.rms_norm(x[:384], w[:384], 1e-6, out[:384], out_tc=xt)

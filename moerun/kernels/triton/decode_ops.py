@@ -17,6 +17,7 @@ import triton.language as tl
 
 from moerun.kernels import reference as ref
 from moerun.kernels.triton.qmatvec import perm_slot
+from moerun.kernels.triton.tcmatvec import TcX, _tc_store_x
 
 LOG2E = 1.4426950408889634
 QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
@@ -33,9 +34,11 @@ def _np2(n: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, eps, N, BLOCK: tl.constexpr, PERM: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, xb_ptr, g_ptr, xs_ptr, eps, N, BLOCK: tl.constexpr,
+                     PERM: tl.constexpr, TC: tl.constexpr):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
-    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a)."""
+    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with TC
+    prepared for tcmatvec's kernels into xb/g/xs, one row, N == BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -46,20 +49,26 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, eps, N, BLOCK: tl.constexp
     tl.store(out_ptr + row * N + offs, y, mask=mask)
     if PERM:
         tl.store(perm_ptr + row * N + perm_slot(offs), y, mask=mask)
+    if TC:
+        _tc_store_x(y, offs, xb_ptr, g_ptr, xs_ptr, BLOCK // 32)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_tc: TcX | None = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
-    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order."""
+    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_tc (one row,
+    N a power of two >= 256; buffers from tcmatvec.empty_x): the result prepared for the tensor-core kernels."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
     if out_perm is not None and n % 256:
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
-    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, float(eps), n, BLOCK=block,
-                              PERM=out_perm is not None, num_warps=8 if block >= 4096 else 4)
+    if out_tc is not None and (rows != 1 or block != n or n < 256):
+        raise ValueError(f"out_tc needs one row of a power of two N >= 256, got {rows} rows of N = {n}")
+    tcx = out_tc or (out, out, out)
+    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *tcx, float(eps), n, BLOCK=block,
+                              PERM=out_perm is not None, TC=out_tc is not None, num_warps=8 if block >= 4096 else 4)
     return out
 
 
