@@ -25,8 +25,9 @@ from moerun.quant import random_blocks
 N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
            "down6": "_wdown6_kernel",
-           "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel"}
-# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core Q4_K kernels (their own tile: 64 rows, 4 warps)
+           "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel",
+           "tcmv6": "_tc6mv_kernel", "tcdown6": "_tc6down_kernel"}
+# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core kernels, Q4_K (tc*6: Q6_K; their own tile: 64 rows, 4 warps)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -58,6 +59,11 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
         elif kind == "tcgate_up":
             w = _q4k(E, F, N)
             tc.moe_gate_up_tc(w, w, tc.empty_x(N, torch.device("cpu")), ids, tc.empty_x(F, torch.device("cpu"), TOPK))
+        elif kind == "tcmv6":
+            tc.qmatvec_tc(_q6k(N, N), tc.empty_x(N, torch.device("cpu")), torch.empty(N), qtype=14)
+        elif kind == "tcdown6":
+            tc.moe_down_tc(_q6k(E, N, F), tc.empty_x(F, torch.device("cpu"), TOPK), ids, torch.ones(TOPK),
+                           torch.zeros(N), torch.empty(N), qtype=14)
         elif kind == "tcdown":
             tc.moe_down_tc(_q4k(E, N, F), tc.empty_x(F, torch.device("cpu"), TOPK), ids, torch.ones(TOPK),
                            torch.zeros(N), torch.empty(N))

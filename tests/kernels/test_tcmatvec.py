@@ -21,7 +21,7 @@ from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import tcmatvec as tc  # noqa: E402
 
-Q4_K = int(T.Q4_K)
+Q4_K, Q6_K = int(T.Q4_K), int(T.Q6_K)
 TOL = 2e-6  # x split into two f16 parts: ~2^-22 relative each, then float32 accumulation
 
 
@@ -218,3 +218,73 @@ def test_rms_norm_writes_prepared_x(device, rng) -> None:
         assert torch.equal(a, b), f"seed {seed}"
     with pytest.raises(ValueError, match="out_tc needs"):
         dk.rms_norm(x[:384], w[:384], 1e-6, out[:384], out_tc=xt)
+
+
+def _unprepare(x: tc.TcX, fmt: int) -> torch.Tensor:
+    """The values a TcX holds, back in natural order (float64): g (hi + lo) at each position's slot."""
+    k = x.g.numel() * 32
+    pos = torch.arange(k)
+    if fmt == 4:
+        wi = pos % 256
+        j = 8 * (8 * (wi // 64) + (wi // 4) % 8) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
+        row, cp = (pos // 256) * 256 + j, 2 * (wi // 32)
+    else:
+        li = pos % 128
+        t = (li % 64) // 4
+        j = 8 * t + 4 * (li % 2) + 2 * (li // 64) + (li // 2) % 2
+        row, cp = (pos // 128) * 128 + j, 2 * (4 * (li // 64) + t // 4)
+    xb = x.xb.cpu().double().view(-1, 16)
+    return (xb[row, cp] + xb[row, cp + 1]) * x.g.cpu().double()[pos // 32]
+
+
+@pytest.mark.parametrize("fmt", [4, 6])
+def test_prepare_x_formats(fmt, device, rng) -> None:
+    """Both layouts hold every value once (hi + lo on the diagonal, zeros elsewhere)."""
+    gen, seed = rng
+    x = vec(gen, 512) * 7.0
+    p = tc.prepare_x(x.to(device), fmt=fmt)
+    back = _unprepare(p, fmt)
+    err = ((back - x.double()).abs() / x.double().abs().view(-1, 32).amax(1).repeat_interleave(32)).max().item()
+    assert err <= 2**-21, f"format {fmt}: off by {err:.3g} (seed {seed})"
+    assert int((p.xb != 0).sum()) <= 2 * 512  # only the diagonal pairs
+
+
+@pytest.mark.parametrize("m,n_blk,res,split", [(1, 2, False, None), (37, 2, True, 2), (70, 4, False, 1)])
+def test_qmatvec_tc_q6k(m, n_blk, res, split, device, rng) -> None:
+    """Q6_K: odd blocks start 2 bytes off a word (funnel-shifted words), n_blk even."""
+    gen, seed = rng
+    k = 256 * n_blk
+    raw, dense = quant_weights(Q6_K, (m,), k, gen, device)
+    x = vec(gen, k)
+    x[5:9] *= 300.0
+    ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
+    out = torch.full((m,), float("nan"), device=device)
+    residual = None
+    if res:
+        r = vec(gen, m)
+        out.copy_(r.to(device))
+        residual = out
+        ref, bound = ref + r.double(), bound + r.double().abs()
+    tc.qmatvec_tc(raw, tc.prepare_x(x.to(device), fmt=6), out, residual, qtype=Q6_K, split=split)
+    check_bound(out, ref, bound, seed, f"Q6_K tensor-core matvec M={m} K={k} split={split}", tol=TOL)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+def test_q6k_down_from_gate_up(split, device, rng) -> None:
+    """Q4_K gate/up writing h in format 6, then a Q6_K down product (a Q4_K_M file's odd layers)."""
+    gen, seed = rng
+    e, f, n = 5, 512, 256
+    wg, dg = quant_weights(Q4_K, (e, f), n, gen, device)
+    wu, du = quant_weights(Q4_K, (e, f), n, gen, device)
+    wd, dd = quant_weights(Q6_K, (e, n), f, gen, device)
+    x, res = vec(gen, n), vec(gen, n)
+    ids, wts = torch.tensor([3, 0, 4], dtype=torch.int32), torch.tensor([0.5, 0.3, 0.2])
+    h = tc.moe_gate_up_tc(wg, wu, tc.prepare_x(x.to(device)), ids.to(device), tc.empty_x(f, device, 3), out_fmt=6)
+    href = ACTIVATIONS["silu"](dg[ids.long()] @ x.double()) * (du[ids.long()] @ x.double())  # [3, F]
+    got_h = _unprepare(h, 6).view(3, f)
+    assert ((got_h - href).abs() <= 1e-5 * href.abs().amax(1, keepdim=True)).all(), f"h (seed {seed})"
+    out = tc.moe_down_tc(wd, h, ids.to(device), wts.to(device), res.to(device), torch.empty(n, device=device),
+                         qtype=Q6_K, split=split)
+    ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(3))
+    bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(3))
+    check_bound(out, ref, bound, seed, f"Q6_K tensor-core down split={split}", tol=1e-5)

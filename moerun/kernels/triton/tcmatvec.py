@@ -44,10 +44,11 @@ import triton.language as tl
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, sm_count
 from moerun.kernels.triton.wmatvec import _scale_min, _words
 
-Q4_K = 12
+Q4_K, Q6_K = 12, 14
+FORMATS = {Q4_K: 4, Q6_K: 6}  # the TcX layout each type's decoder reads
 TC_BN = 64  # rows per program: one warpgroup's MMA height (wgmma m64), 4 warps
 PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM (unmeasured)
-MAGIC, LO_NIB, HI_NIB = 0x64006400, 0x000F000F, 0x00F000F0  # runtime args: one LOP3 each (see wmatvec.FQ_MASK)
+MAGIC, LO_NIB, HI_NIB, HI2 = 0x64006400, 0x000F000F, 0x00F000F0, 0x00300030  # runtime args (wmatvec.FQ_MASK)
 
 
 class TcX(NamedTuple):
@@ -78,10 +79,26 @@ def tc_column_weights() -> torch.Tensor:
 
 
 @triton.jit
-def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr):
+def _tc_slot(k, FMT: tl.constexpr):
+    """Where x position k goes in a TcX's xb (format FMT: 4 for the Q4_K decoder, 6 for Q6_K's): the offset of its
+    row's column 0, and its column pair 2c (c: the scale sub-block within the tile)."""
+    wi = k % 256
+    if FMT == 4:  # wi = 64 c + 32 h + 4 t + q -> row 8 (8 c + t) + 4 h + 2 (q % 2) + q // 2 of a 256-row tile
+        j = 8 * (8 * (wi // 64) + (wi // 4) % 8) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
+        return (k // 256) * 4096 + j * 16, 2 * (wi // 32)
+    else:  # l = wi % 128 = 64 h + 4 t + q -> row 8 t + 4 (q % 2) + 2 h + q // 2 of a 128-row tile, c = 4 h + t // 4
+        l = wi % 128
+        t = (l % 64) // 4
+        j = 8 * t + 4 * (l % 2) + 2 * (l // 64) + (l // 2) % 2
+        return (k // 128) * 2048 + j * 16, 2 * (4 * (l // 64) + t // 4)
+
+
+@triton.jit
+def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr, FMT: tl.constexpr = 4):
     """Write x values v f32 [32 NSUB] at positions k [32 NSUB] (whole, aligned runs of 32: k = k0 + arange,
-    k0 % 32 == 0) into TcX buffers: per 32, g = the power of two just above max |v| (so |v / g| < 1 and the f16
-    parts neither overflow nor lose the small values), hi = f16(v / g), lo = f16(v / g - hi), the sum of v."""
+    k0 % 32 == 0) into TcX buffers of format FMT: per 32, g = the power of two just above max |v| (so |v / g| < 1
+    and the f16 parts neither overflow nor lose the small values), hi = f16(v / g), lo = f16(v / g - hi), the
+    sum of v."""
     v2 = tl.reshape(v, [NSUB, 32])
     k2 = tl.reshape(k, [NSUB, 32])
     e = tl.minimum((tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 255, 252)  # [NSUB]
@@ -90,9 +107,8 @@ def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr):
     vs = v2 * inv[:, None]
     hi = vs.to(tl.float16)
     lo = (vs - hi.to(tl.float32)).to(tl.float16)
-    wi = k2 % 256  # = 64 c + 32 h + 4 t + q: column 8 (8 c + t) + 4 h + 2 (q % 2) + q // 2, sub-block 2 c + h
-    j = 8 * (8 * (wi // 64) + (wi // 4) % 8) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
-    dst = xb_ptr + (k2 // 256) * 4096 + j * 16 + 2 * (wi // 32)
+    row, cp = _tc_slot(k2, FMT)
+    dst = xb_ptr + row + cp
     tl.store(dst, hi)
     tl.store(dst + 1, lo)
     sub = tl.min(k2, axis=1) // 32
@@ -101,10 +117,10 @@ def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr):
 
 
 @triton.jit
-def _prep_x_kernel(x_ptr, xb_ptr, g_ptr, xs_ptr):
-    """Grid (K/256,): block b of x into TcX buffers."""
+def _prep_x_kernel(x_ptr, xb_ptr, g_ptr, xs_ptr, FMT: tl.constexpr):
+    """Grid (K/256,): block b of x into TcX buffers of format FMT."""
     k = tl.program_id(0) * 256 + tl.arange(0, 256)
-    _tc_store_x(tl.load(x_ptr + k), k, xb_ptr, g_ptr, xs_ptr, 8)
+    _tc_store_x(tl.load(x_ptr + k), k, xb_ptr, g_ptr, xs_ptr, 8, FMT)
 
 
 @triton.jit
@@ -156,6 +172,62 @@ def _tc_block(acc, bp, ok, xb, g_ptr, xs_ptr, kb, scale, magic, lo_nib, hi_nib, 
 
 
 @triton.jit
+def _q6k_half(ql, qh, m_lo, m_hi2, magic, BN: tl.constexpr):
+    """One half-block of Q6_K rows: ql int32 [BN, 2, 8] (its ql words t = 8 r + u), qh int32 [BN, 1, 8] (its qh
+    words u) -> f16 [BN, 128] of q - 32, exact, tile row j = 8 t + 4 s + 2 h + p: the value whose low nibble is
+    nibble h of byte s + 2 p of ql word t (weight 64 h + 4 t + s + 2 p of the half, sub-block 4 h + t // 4) and
+    whose two high bits sit in the same byte of qh word u at bit 2 (2 h + r)."""
+    r2 = 2 * tl.arange(0, 2)[None, :, None]  # qh bit of the low nibbles' high bits: 0 (t < 8) or 2
+    pairs = ()
+    for h in tl.static_range(2):
+        for s in tl.static_range(2):
+            a = ql >> (4 * h + 8 * s)
+            if h == 0 and s == 0:
+                b = qh << (4 - r2)
+            else:
+                b = qh >> (r2 + (4 * h + 8 * s - 4))
+            pairs = pairs + ((a & m_lo) | (b & m_hi2) | magic,)  # (1024 + q6) in both halves, [BN, 2, 8]
+    v = tl.join(tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))  # [BN, 2, 8, s, h]
+    return tl.reshape(_f16_pairs(tl.reshape(v, [BN, 64])), [BN, 128]) - 1056.0
+
+
+@triton.jit
+def _funnel(wp, j, odd):
+    """Words at word offsets j (any shape) from wp, or with `odd` (a scalar) the words starting 2 bytes later."""
+    a = tl.load(wp + j)
+    b = tl.load(wp + j + 1)
+    return tl.where(odd, ((a >> 16) & 0xFFFF) | (b << 16), a)
+
+
+@triton.jit
+def _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, lo_nib, hi2, BN: tl.constexpr):
+    """acc [BN, 16] += block kb of BN Q6_K rows (wp: int32 row pointers [BN], rows of an even number of blocks:
+    block kb starts at halfword 105 kb, so odd blocks are 2 bytes off a word) times x's block xk (a format-6
+    TcX), times `scale`. Rows outside `ok` must still be readable (the wrapper clamps their pointers)."""
+    hw0 = kb * 105
+    wb = hw0 >> 1  # first word of the block (odd blocks: the word holding its first halfword)
+    odd = (hw0 & 1) != 0
+    c8 = tl.arange(0, 8)
+    u = tl.arange(0, 8)[None, None, :]
+    r = tl.arange(0, 2)[None, :, None]
+    w3 = wp[:, None, None]
+    dw = tl.load(wp + ((hw0 + 104) >> 1))  # d: one halfword
+    d = tl.where(odd, dw >> 16, dw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    for hf in tl.static_range(2):
+        ql = _funnel(w3, wb + 16 * hf + 8 * r + u, odd)  # [BN, 2, 8]: ql word t = 8 r + u of this half
+        qh = _funnel(w3, wb + 32 + 8 * hf + u, odd)  # [BN, 1, 8]
+        xb = tl.load(xb_ptr + (2 * xk + hf) * 2048 + tl.arange(0, 128)[:, None] * 16 + tl.arange(0, 16)[None, :])
+        p = tl.dot(_q6k_half(ql, qh, lo_nib, hi2, magic, BN), xb)  # [BN, 16]
+        s0 = _funnel(wp, wb + 48 + 2 * hf, odd)[:, None]  # scale bytes 8 hf .. 8 hf + 3
+        s1 = _funnel(wp, wb + 49 + 2 * hf, odd)[:, None]
+        sh = (24 - 8 * (c8 % 4))[None, :]
+        sc = (tl.where(c8[None, :] < 4, s0 << sh, s1 << sh) >> 24).to(tl.float32)  # int8 scale, sub-block 8 hf + c
+        s = d[:, None] * sc * tl.load(g_ptr + xk * 8 + 4 * hf + c8 // 2)[None, :]
+        acc += p * tl.reshape(tl.join(s, s), [BN, 16])
+    return acc
+
+
+@triton.jit
 def _split_sum(v, part_ptr, count_ptr, cnt, sp, stride, off, ok, SPLIT: tl.constexpr):
     """K split epilogue: store this program's part v [R] at part[sp * stride + off]; the last of the SPLIT programs
     sharing counter `cnt` to arrive (an acq_rel counter after a CTA barrier; it resets the counter) gets
@@ -202,11 +274,12 @@ def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count
 @triton.jit
 def _tcgate_up_kernel(wg_ptr, wu_ptr, xb_ptr, g_ptr, xs_ptr, ids_ptr, out_ptr, hb_ptr, hg_ptr, hs_ptr, part_ptr,
                       count_ptr, F, stride_ge, stride_ue, magic, lo_nib, hi_nib, N_BLOCKS: tl.constexpr,
-                      BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, OUT_TC: tl.constexpr):
+                      BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, OUT_FMT: tl.constexpr):
     """Grid (cdiv(F, BN), n_sel, SPLIT): rows i BN .. + BN of expert ids[e]'s gate and up matrices over blocks
     s NB/SPLIT .., x shared. wg/wu: int32 [E, F, 36 N_BLOCKS]; xb/g/xs: `TcX` of x; out: f32 [n_sel, F] gets
-    h = act(gate) * up, or with OUT_TC the TcX of h as one vector of n_sel F (hb/hg/hs; F % 256 == 0) for a
-    tensor-core down product. part: f32 [SPLIT, 2, n_sel, F] and count: int32 [n_sel, cdiv(F, BN)] when SPLIT > 1."""
+    h = act(gate) * up (OUT_FMT 0), or the TcX of h in format OUT_FMT (4 or 6) as one vector of n_sel F (hb/hg/hs;
+    F % 256 == 0) for a tensor-core down product. part: f32 [SPLIT, 2, n_sel, F] and count: int32
+    [n_sel, cdiv(F, BN)] when SPLIT > 1."""
     SW: tl.constexpr = 36 * N_BLOCKS
     NBS: tl.constexpr = N_BLOCKS // SPLIT
     blk = tl.program_id(0)
@@ -236,8 +309,8 @@ def _tcgate_up_kernel(wg_ptr, wu_ptr, xb_ptr, g_ptr, xs_ptr, ids_ptr, out_ptr, h
         g, u = tl.split(gu)
     if last:
         h = _act(g, ACT) * u
-        if OUT_TC:
-            _tc_store_x(h, sel * F + row, hb_ptr, hg_ptr, hs_ptr, BN // 32)
+        if OUT_FMT != 0:
+            _tc_store_x(h, sel * F + row, hb_ptr, hg_ptr, hs_ptr, BN // 32, OUT_FMT)
         else:
             tl.store(out_ptr + sel * F + row, h, mask=ok)
 
@@ -273,18 +346,89 @@ def _tcdown_kernel(w_ptr, hb_ptr, hg_ptr, hs_ptr, ids_ptr, wts_ptr, res_ptr, out
         tl.store(out_ptr + row, out + tl.load(res_ptr + row, mask=ok, other=0.0), mask=ok)
 
 
+@triton.jit
+def _tc6mv_kernel(w_ptr, xb_ptr, g_ptr, res_ptr, out_ptr, part_ptr, count_ptr, M, magic, lo_nib, hi2,
+                  N_BLOCKS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr):
+    """`_tcmv_kernel` for Q6_K: w int32 [M, 105 N_BLOCKS / 2] (N_BLOCKS even), x a format-6 TcX."""
+    SW: tl.constexpr = 105 * N_BLOCKS // 2
+    NBS: tl.constexpr = N_BLOCKS // SPLIT
+    blk = tl.program_id(0)
+    sp = tl.program_id(1)
+    row = blk * BN + tl.arange(0, BN)
+    ok = row < M
+    wp = w_ptr + tl.minimum(row, M - 1).to(tl.int64) * SW  # rows past M read the last row (unmasked loads)
+    acc = tl.zeros([BN, 16], dtype=tl.float32)
+    for i in range(NBS):
+        kb = sp * NBS + i
+        acc = _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, kb, 1.0, magic, lo_nib, hi2, BN)
+    out = tl.sum(acc, axis=1)
+    last = True
+    if SPLIT > 1:
+        last, out = _split_sum(out, part_ptr, count_ptr, blk, sp, M, row, ok, SPLIT)
+    if last:
+        if HAS_RES:
+            out += tl.load(res_ptr + row, mask=ok, other=0.0)
+        tl.store(out_ptr + row, out, mask=ok)
+
+
+@triton.jit
+def _tc6down_kernel(w_ptr, hb_ptr, hg_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, part_ptr, count_ptr, N, stride_e,
+                    magic, lo_nib, hi2, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, BN: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """`_tcdown_kernel` for Q6_K: w int32 [E, N, 105 N_BLOCKS / 2] (stride_e in words), h a format-6 TcX."""
+    SW: tl.constexpr = 105 * N_BLOCKS // 2
+    NES: tl.constexpr = N_SEL // SPLIT
+    blk = tl.program_id(0)
+    sp = tl.program_id(1)
+    row = blk * BN + tl.arange(0, BN)
+    ok = row < N
+    acc = tl.zeros([BN, 16], dtype=tl.float32)
+    for i in range(NES):
+        e = sp * NES + i
+        wp = w_ptr + tl.load(ids_ptr + e).to(tl.int64) * stride_e + tl.minimum(row, N - 1).to(tl.int64) * SW
+        wt = tl.load(wts_ptr + e)
+        for kb in range(N_BLOCKS):
+            acc = _tc6_block(acc, wp, kb, ok, hb_ptr, hg_ptr, e * N_BLOCKS + kb, wt, magic, lo_nib, hi2, BN)
+    out = tl.sum(acc, axis=1)
+    last = True
+    if SPLIT > 1:
+        last, out = _split_sum(out, part_ptr, count_ptr, blk, sp, N, row, ok, SPLIT)
+    if last:
+        tl.store(out_ptr + row, out + tl.load(res_ptr + row, mask=ok, other=0.0), mask=ok)
+
+
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
-def prepare_x(x: torch.Tensor, out: TcX | None = None) -> TcX:
-    """x f32 [K] (K % 256 == 0, natural order) -> TcX for the tensor-core kernels (into `out`'s buffers if given,
-    which must come from `empty_x`)."""
+def prepare_x(x: torch.Tensor, out: TcX | None = None, fmt: int = 4) -> TcX:
+    """x f32 [K] (K % 256 == 0, natural order) -> TcX of format `fmt` (4: for Q4_K products, 6: Q6_K) for the
+    tensor-core kernels (into `out`'s buffers if given, which must come from `empty_x`)."""
     k = x.shape[0]
     if x.dim() != 1 or k % 256 or x.dtype != torch.float32:
         raise ValueError(f"prepare_x takes float32 [K] with K % 256 == 0, got {x.dtype} {tuple(x.shape)}")
+    if fmt not in FORMATS.values():
+        raise ValueError(f"no TcX format {fmt} (formats: {sorted(FORMATS.values())})")
     out = out or empty_x(k, x.device)
-    _prep_x_kernel[(k // 256,)](x.contiguous(), out.xb, out.g, out.xs, num_warps=4)
+    _prep_x_kernel[(k // 256,)](x.contiguous(), out.xb, out.g, out.xs, FMT=fmt, num_warps=4)
     return out
+
+
+def supports_tc(qtype: int, k: int) -> bool:
+    """Whether a tensor-core kernel takes [*, K] matrices of this type (Q4_K: K % 256 == 0; Q6_K: K % 512 == 0,
+    so rows stay word-aligned)."""
+    return (qtype == Q4_K and k % 256 == 0) or (qtype == Q6_K and k % 512 == 0)
+
+
+def _rows(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """int32 view of Q4_K / Q6_K rows (uint8 [..., row_bytes], contiguous, 4-byte aligned)."""
+    if not supports_tc(qtype, k):
+        raise ValueError(f"no tensor-core kernel for GGML type {qtype} at K = {k}")
+    if qtype == Q4_K:
+        return _words(w, k)
+    if w.shape[-1] != 210 * (k // 256) or not w.is_contiguous() or w.data_ptr() % 4:
+        raise ValueError(f"Q6_K rows must be contiguous {210 * (k // 256)}-byte rows from a 4-byte aligned start, "
+                         f"got shape {tuple(w.shape)} strides {w.stride()}")
+    return w.view(torch.int32)
 
 
 def tc_split(m: int, n_blocks: int, device: torch.device, groups: int = 1) -> int:
@@ -315,30 +459,34 @@ def _check_split(split: int, n: int, what: str) -> None:
 
 
 def qmatvec_tc(w: torch.Tensor, x: TcX, out: torch.Tensor, residual: torch.Tensor | None = None,
-               *, split: int | None = None) -> torch.Tensor:
-    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix on tensor cores.
+               *, qtype: int = Q4_K, split: int | None = None) -> torch.Tensor:
+    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K or Q6_K matrix on tensor cores.
 
-    w: uint8 [M, row_bytes] (rows contiguous); x: `prepare_x(x)`; out/residual: f32 [M] (out may be residual);
-    split: K splits (a power of two dividing K / 256; default `tc_split`). Returns out.
+    w: uint8 [M, row_bytes] (rows contiguous); x: `prepare_x(x, fmt=FORMATS[qtype])`; out/residual: f32 [M] (out
+    may be residual); split: K splits (a power of two dividing K / 256; default `tc_split`). Returns out.
     """
     m, nb = w.shape[0], x.xb.shape[0]
     split = split or tc_split(m, nb, w.device)
     _check_split(split, nb, f"blocks of K = {256 * nb}")
-    ww = _words(w, 256 * nb)
+    ww = _rows(w, qtype, 256 * nb)
     part, count = _scratch(split * m, triton.cdiv(m, TC_BN), w.device) if split > 1 else (out, out)
-    _tcmv_kernel[(triton.cdiv(m, TC_BN), split)](
-        ww, x.xb, x.g, x.xs, out if residual is None else residual, out, part, count, m, MAGIC, LO_NIB, HI_NIB,
-        N_BLOCKS=nb, BN=TC_BN, SPLIT=split, HAS_RES=residual is not None, num_warps=4, num_stages=2,
-    )
+    res = out if residual is None else residual
+    grid = (triton.cdiv(m, TC_BN), split)
+    kw = dict(N_BLOCKS=nb, BN=TC_BN, SPLIT=split, HAS_RES=residual is not None, num_warps=4, num_stages=2)
+    if qtype == Q4_K:
+        _tcmv_kernel[grid](ww, x.xb, x.g, x.xs, res, out, part, count, m, MAGIC, LO_NIB, HI_NIB, **kw)
+    else:
+        _tc6mv_kernel[grid](ww, x.xb, x.g, res, out, part, count, m, MAGIC, LO_NIB, HI2, **kw)
     return out
 
 
 def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.Tensor, out: torch.Tensor | TcX,
-                   act: str = "silu", *, split: int | None = None) -> torch.Tensor | TcX:
+                   act: str = "silu", *, out_fmt: int = 4, split: int | None = None) -> torch.Tensor | TcX:
     """h[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts on tensor cores, in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: `prepare_x(x)`; ids: int [n_sel] on the device; out: f32 [n_sel, F],
-    or a TcX of n_sel F (`empty_x(F, device, n_sel)`, F % 256 == 0) to feed `moe_down_tc`. Returns out.
+    or a TcX of n_sel F (`empty_x(F, device, n_sel)`, F % 256 == 0) in format out_fmt to feed `moe_down_tc`.
+    Returns out.
     """
     f, nb, n_sel = w_gate.shape[1], x.xb.shape[0], ids.shape[0]
     out_tc = isinstance(out, TcX)
@@ -353,25 +501,30 @@ def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.
     _tcgate_up_kernel[(triton.cdiv(f, TC_BN), n_sel, split)](
         wg, wu, x.xb, x.g, x.xs, ids, h, h, out.g if out_tc else h, out.xs if out_tc else h, part, count, f,
         wg.stride(0), wu.stride(0), MAGIC, LO_NIB, HI_NIB, N_BLOCKS=nb, BN=TC_BN, SPLIT=split,
-        ACT=ACTIVATIONS[act], OUT_TC=out_tc, num_warps=4, num_stages=2,
+        ACT=ACTIVATIONS[act], OUT_FMT=out_fmt if out_tc else 0, num_warps=4, num_stages=2,
     )
     return out
 
 
 def moe_down_tc(w_down: torch.Tensor, h: TcX, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
-                out: torch.Tensor, *, split: int | None = None) -> torch.Tensor:
-    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K experts on tensor cores, summed in
-    order. w_down: uint8 [E, N, row_bytes]; h: TcX of n_sel F (`moe_gate_up_tc`'s); ids: int [n_sel];
-    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual); split: experts per program = n_sel / split
-    (default `tc_split` over the experts). Returns out."""
+                out: torch.Tensor, *, qtype: int = Q4_K, split: int | None = None) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K or Q6_K experts on tensor cores,
+    summed in order. w_down: uint8 [E, N, row_bytes]; h: TcX of n_sel F in the type's format (`moe_gate_up_tc`'s);
+    ids: int [n_sel]; weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual); split: experts per program
+    = n_sel / split (default `tc_split` over the experts). Returns out."""
     n, n_sel = w_down.shape[1], ids.shape[0]
     nb = h.xb.shape[0] // n_sel
     split = split or tc_split(n, n_sel, w_down.device)
     _check_split(split, n_sel, "selected experts")
-    wd = _words(w_down, 256 * nb)
+    wd = _rows(w_down, qtype, 256 * nb)
+    stride_e = w_down.stride(0) // 4  # words
     part, count = _scratch(split * n, triton.cdiv(n, TC_BN), wd.device) if split > 1 else (out, out)
-    _tcdown_kernel[(triton.cdiv(n, TC_BN), split)](
-        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, wd.stride(0), MAGIC, LO_NIB, HI_NIB,
-        N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2,
-    )
+    grid = (triton.cdiv(n, TC_BN), split)
+    kw = dict(N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2)
+    if qtype == Q4_K:
+        _tcdown_kernel[grid](wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, stride_e, MAGIC,
+                             LO_NIB, HI_NIB, **kw)
+    else:
+        _tc6down_kernel[grid](wd, h.xb, h.g, ids, weights, residual, out, part, count, n, stride_e, MAGIC, LO_NIB,
+                              HI2, **kw)
     return out
