@@ -30,7 +30,7 @@ class TritonOps:
     def __init__(self, words: bool = True, tc: bool = False) -> None:
         self.words = words
         self.tc = tc
-        self._tc_x: dict[tuple, tc.TcX] = {}  # prepared x per (K, device); h per ("h", n_sel, F, device)
+        self._tc_x: dict[tuple, tc.TcX] = {}  # prepared x per (K, format, device); h per ("h", n_sel, F, device)
         self._tc_norm: dict[tuple, tc.TcX] = {}  # rms_norm outputs it prepared, per (data_ptr, numel)
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -42,7 +42,7 @@ class TritonOps:
 
     def kernel_name(self, qtype: int) -> str:
         """The decode path of a weight type, for the bench's path column."""
-        if self.tc and qtype == tc.Q4_K:
+        if self.tc and qtype in tc.FORMATS:
             return "triton-words+tc"
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
@@ -58,21 +58,23 @@ class TritonOps:
         return self.words and wk.supports(qtype, k, kind)
 
     def h_layout(self, qtype_gate: int, qtype_up: int, qtype_down: int, f: int) -> bool | str:
-        if self.tc and qtype_gate == qtype_up == qtype_down == tc.Q4_K and f % 256 == 0:
-            return "tc"  # gate/up writes h prepared for the tensor-core down product
+        """As TorchOps', or "tc4" / "tc6": gate/up writes h prepared (in the down type's TcX format) for a
+        tensor-core down product."""
+        if self.tc and qtype_gate == qtype_up == tc.Q4_K and tc.supports_tc(qtype_down, f):
+            return f"tc{tc.FORMATS[qtype_down]}"
         return self.perm(qtype_down, f, "down")
 
-    def _prepared(self, x: torch.Tensor) -> tc.TcX:
+    def _prepared(self, x: torch.Tensor, fmt: int = 4) -> tc.TcX:
         """x prepared for the tensor-core kernels: what rms_norm prepared when it wrote x, else one more launch
         into a buffer per size (allocated on first use: the warm-up). In the decode step only rms_norm writes
         the buffers it prepares (xn), so its preparation is current whenever a product reads them."""
-        done = self._tc_norm.get((x.data_ptr(), x.numel()))
+        done = self._tc_norm.get((x.data_ptr(), x.numel())) if fmt == 4 else None
         if done is not None:
             return done
-        key = (x.shape[-1], x.device)
+        key = (x.shape[-1], fmt, x.device)
         if key not in self._tc_x:
             self._tc_x[key] = tc.empty_x(x.shape[-1], x.device)
-        return tc.prepare_x(x, self._tc_x[key])
+        return tc.prepare_x(x, self._tc_x[key], fmt)
 
     def _h_tc(self, n_sel: int, f: int, device: torch.device) -> tc.TcX:
         key = ("h", n_sel, f, device)
@@ -84,8 +86,8 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
-        if self.tc and qtype == tc.Q4_K and x.shape[-1] % 256 == 0:
-            return tc.qmatvec_tc(w, self._prepared(x), out, residual)
+        if self.tc and tc.supports_tc(qtype, x.shape[-1]):
+            return tc.qmatvec_tc(w, self._prepared(x, tc.FORMATS[qtype]), out, residual, qtype=qtype)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)
@@ -93,13 +95,14 @@ class TritonOps:
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool | str = False) -> torch.Tensor:
-        """perm_out: `h_layout`'s answer ("tc": h goes to this object's prepared buffer for `moe_down`)."""
+        """perm_out: `h_layout`'s answer ("tc4" / "tc6": h goes to this object's prepared buffer for `moe_down`)."""
         tc_ok = self.tc and qtype_gate == qtype_up == tc.Q4_K and x.shape[-1] % 256 == 0
-        if perm_out == "tc" or (tc_ok and not perm_out):
+        h_tc = isinstance(perm_out, str) and perm_out.startswith("tc")
+        if h_tc or (tc_ok and not perm_out):
             if not tc_ok:
                 raise ValueError("h prepared for tensor cores needs Q4_K gate and up matrices with K % 256 == 0")
-            dst = self._h_tc(ids.shape[0], out.shape[-1], out.device) if perm_out == "tc" else out
-            tc.moe_gate_up_tc(w_gate, w_up, self._prepared(x), ids, dst, act)
+            dst = self._h_tc(ids.shape[0], out.shape[-1], out.device) if h_tc else out
+            tc.moe_gate_up_tc(w_gate, w_up, self._prepared(x), ids, dst, act, out_fmt=int(perm_out[2:]) if h_tc else 4)
             return out
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
@@ -111,9 +114,11 @@ class TritonOps:
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool | str = False) -> torch.Tensor:
-        if h_perm == "tc":  # h is in the prepared buffer `moe_gate_up` wrote
+        if isinstance(h_perm, str) and h_perm.startswith("tc"):  # h is in the buffer `moe_gate_up` prepared
+            if f"tc{tc.FORMATS.get(qtype)}" != h_perm:
+                raise ValueError(f"h prepared as {h_perm!r} given to a down product of type {qtype}")
             return tc.moe_down_tc(w_down, self._h_tc(ids.shape[0], h.shape[-1], h.device), ids, weights, residual,
-                                  out)
+                                  out, qtype=qtype)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")

@@ -111,8 +111,9 @@ def test_triton_ops_dispatch(device, rng) -> None:
     ops = TritonOps(tc=True)
     out = ops.qmatvec(raw, Q4_K, x.to(device), torch.full((40,), float("nan"), device=device))
     check_bound(out, dense @ x.double(), dense.abs() @ x.double().abs(), seed, "TritonOps(tc=True)", tol=TOL)
-    assert list(ops._tc_x) == [(512, x.to(device).device)]
-    assert ops.h_layout(Q4_K, Q4_K, Q4_K, 1024) == "tc" and ops.h_layout(Q4_K, Q4_K, 14, 1024) is False
+    assert list(ops._tc_x) == [(512, 4, x.to(device).device)]
+    assert ops.h_layout(Q4_K, Q4_K, Q4_K, 1024) == "tc4" and ops.h_layout(Q4_K, Q4_K, Q6_K, 1024) == "tc6"
+    assert ops.h_layout(Q4_K, Q4_K, Q6_K, 768) is False and ops.h_layout(Q4_K, Q4_K, 8, 1024) is True  # Q8_0 words
     assert ops.h_layout(Q4_K, Q4_K, Q4_K, 1000) is False and TritonOps().h_layout(Q4_K, Q4_K, Q4_K, 1024) is True
     want = tc.qmatvec_tc(raw, tc.prepare_x(x.to(device)), torch.empty(40, device=device))
     assert torch.equal(out, want)
@@ -178,26 +179,28 @@ def test_moe_down_tc(split, device, rng) -> None:
     assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize("layout", ["tc", False])
-def test_triton_ops_ffn(layout, device, rng) -> None:
-    """TritonOps(tc=True)'s FFN: gate/up hands h to down prepared ("tc") or as f32 (a down of another type)."""
+@pytest.mark.parametrize("layout,qd", [("tc4", Q4_K), ("tc6", Q6_K), (False, Q4_K)])
+def test_triton_ops_ffn(layout, qd, device, rng) -> None:
+    """TritonOps(tc=True)'s FFN: gate/up hands h to down prepared (in the down type's layout) or as f32."""
     from moerun.kernels.triton_ops import TritonOps
 
     gen, seed = rng
-    e, f, n = 4, 256, 256
+    e, f, n = 4, 512, 256  # F = 512: a Q6_K down product needs K % 512 == 0
     wg, dg = quant_weights(Q4_K, (e, f), n, gen, device)
     wu, du = quant_weights(Q4_K, (e, f), n, gen, device)
-    wd, dd = quant_weights(Q4_K, (e, n), f, gen, device)
+    wd, dd = quant_weights(qd, (e, n), f, gen, device)
     x, res = vec(gen, n), vec(gen, n)
     ids, wts = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([0.7, 0.3])
     ops = TritonOps(tc=True)
+    if layout:  # what the decode step would ask for (False: as for a down product without a tensor-core kernel)
+        assert ops.h_layout(Q4_K, Q4_K, qd, f) == layout
     h = torch.full((2, f), float("nan"), device=device)
     ops.moe_gate_up(wg, wu, Q4_K, Q4_K, x.to(device), ids.to(device), h, perm_out=layout)
     href = ACTIVATIONS["silu"](dg[ids.long()] @ x.double()) * (du[ids.long()] @ x.double())
-    if layout == "tc":
+    if layout:
         assert h.isnan().all()  # h went to the prepared buffer instead
-        out = ops.moe_down(wd, Q4_K, h, ids.to(device), wts.to(device), res.to(device),
-                           torch.empty(n, device=device), h_perm="tc")
+        out = ops.moe_down(wd, qd, h, ids.to(device), wts.to(device), res.to(device),
+                           torch.empty(n, device=device), h_perm=layout)
         ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(2))
         bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(2))
         check_bound(out, ref, bound, seed, "TritonOps tc gate/up -> down", tol=1e-5)
