@@ -26,7 +26,7 @@ N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
            "down6": "_wdown6_kernel",
            "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel",
-           "tcmv6": "_tc6mv_kernel", "tcdown6": "_tc6down_kernel"}
+           "tcmv6": "_tcmv_kernel", "tcdown6": "_tcdown_kernel"}
 # mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core kernels, Q4_K (tc*6: Q6_K; their own tile: 64 rows, 4 warps)
 
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
+from support.kernel_checks import check_bound, matvec_case, quant_weights, vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import tcmatvec as tc  # noqa: E402
@@ -69,14 +69,7 @@ def test_qmatvec_tc(m, n_blk, res, split, device, rng) -> None:
     raw, dense = quant_weights(Q4_K, (m,), k, gen, device)
     x = vec(gen, k)
     x[:7] *= 50.0  # uneven magnitudes inside a block
-    ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
-    out = torch.full((m,), float("nan"), device=device)
-    residual = None
-    if res:  # out aliases residual
-        r = vec(gen, m)
-        out.copy_(r.to(device))
-        residual = out
-        ref, bound = ref + r.double(), bound + r.double().abs()
+    out, residual, ref, bound = matvec_case(dense, x, res, gen, device)  # out aliases residual if res
     xp = tc.prepare_x(x.to(device))
     got = tc.qmatvec_tc(raw, xp, out, residual, split=split)
     assert got is out
@@ -260,14 +253,7 @@ def test_qmatvec_tc_q6k(m, n_blk, res, split, device, rng) -> None:
     raw, dense = quant_weights(Q6_K, (m,), k, gen, device)
     x = vec(gen, k)
     x[5:9] *= 300.0
-    ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
-    out = torch.full((m,), float("nan"), device=device)
-    residual = None
-    if res:
-        r = vec(gen, m)
-        out.copy_(r.to(device))
-        residual = out
-        ref, bound = ref + r.double(), bound + r.double().abs()
+    out, residual, ref, bound = matvec_case(dense, x, res, gen, device)  # out aliases residual if res
     tc.qmatvec_tc(raw, tc.prepare_x(x.to(device), fmt=6), out, residual, qtype=Q6_K, split=split)
     check_bound(out, ref, bound, seed, f"Q6_K tensor-core matvec M={m} K={k} split={split}", tol=TOL)
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
+from support.kernel_checks import check_bound, matvec_case, quant_weights, vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.torch_ops import permute_k4, unpermute_k4  # noqa: E402
@@ -56,14 +56,7 @@ def test_qmatvec_w(qtype, m, n_sb, res, tile, device, rng) -> None:
     k = 256 * n_sb
     raw, dense = quant_weights(int(qtype), (m,), k, gen, device)
     x = vec(gen, k)
-    ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
-    out = torch.full((m,), float("nan"), device=device)
-    residual = None
-    if res:  # out aliases residual
-        r = vec(gen, m)
-        out.copy_(r.to(device))
-        residual = out
-        ref, bound = ref + r.double(), bound + r.double().abs()
+    out, residual, ref, bound = matvec_case(dense, x, res, gen, device)  # out aliases residual if res
     got = wk.KERNELS["mv"][int(qtype)](raw, permute_k4(x).to(device), out, residual, tile=tile)
     assert got is out
     check_bound(out, ref, bound, seed, f"{qtype.name} matvec M={m} K={k} tile={tile}")

@@ -52,3 +52,18 @@ def check_bound(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, seed:
     err = (out - ref).abs()
     worst = (err / (bound + 1e-30)).max().item()
     assert (err <= tol * bound + 1e-30).all(), f"{what}: error {worst:.3g} x sum|w||x| (seed {seed})"
+
+
+def matvec_case(dense: torch.Tensor, x: torch.Tensor, res: bool, rng: np.random.Generator, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """A matvec's NaN-poisoned output on `device`, its residual (None, or a random one that the output aliases,
+    res=True) and the float64 reference and bound (sum |w| |x| (+ |residual|)): (out, residual, ref, bound).
+    dense: float64 [M, K] (quant_weights'), x: float32 [K] on the CPU."""
+    m = dense.shape[0]
+    ref, bound = dense @ x.double(), dense.abs() @ x.double().abs()
+    out = torch.full((m,), float("nan"), device=device)
+    if not res:
+        return out, None, ref, bound
+    r = vec(rng, m)
+    out.copy_(r.to(device))
+    return out, out, ref + r.double(), bound + r.double().abs()

@@ -49,6 +49,7 @@ FORMATS = {Q4_K: 4, Q6_K: 6}  # the TcX layout each type's decoder reads
 TC_BN = 64  # rows per program: one warpgroup's MMA height (wgmma m64), 4 warps
 PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM (unmeasured)
 MAGIC, LO_NIB, HI_NIB, HI2 = 0x64006400, 0x000F000F, 0x00F000F0, 0x00300030  # runtime args (wmatvec.FQ_MASK)
+M2 = {Q4_K: HI_NIB, Q6_K: HI2}  # the decoders' second mask
 
 
 class TcX(NamedTuple):
@@ -228,6 +229,17 @@ def _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, lo_nib, hi2, BN
 
 
 @triton.jit
+def _tc_step(acc, wp, kb, ok, xb_ptr, g_ptr, xs_ptr, xk, scale, magic, m1, m2, QTYPE: tl.constexpr,
+             BN: tl.constexpr):
+    """acc [BN, 16] += block kb of BN rows of type QTYPE (wp: int32 row pointers) times x's block xk, times scale:
+    `_tc_block` (Q4_K; m1, m2 = LO_NIB, HI_NIB) or `_tc6_block` (Q6_K; LO_NIB, HI2)."""
+    if QTYPE == 12:
+        return _tc_block(acc, wp + kb * 36, ok, _xb_tile(xb_ptr, xk), g_ptr, xs_ptr, xk, scale, magic, m1, m2, BN)
+    else:
+        return _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, m1, m2, BN)
+
+
+@triton.jit
 def _split_sum(v, part_ptr, count_ptr, cnt, sp, stride, off, ok, SPLIT: tl.constexpr):
     """K split epilogue: store this program's part v [R] at part[sp * stride + off]; the last of the SPLIT programs
     sharing counter `cnt` to arrive (an acq_rel counter after a CTA barrier; it resets the counter) gets
@@ -244,23 +256,24 @@ def _split_sum(v, part_ptr, count_ptr, cnt, sp, stride, off, ok, SPLIT: tl.const
 
 
 @triton.jit
-def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count_ptr, M, magic, lo_nib, hi_nib,
-                 N_BLOCKS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr):
+def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count_ptr, M, magic, m1, m2,
+                 QTYPE: tl.constexpr, N_BLOCKS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_RES: tl.constexpr):
     """Grid (cdiv(M, BN), SPLIT): program (i, s) takes rows i BN .. + BN over blocks s NB/SPLIT .. (s + 1) NB/SPLIT.
-    w: int32 [M, 36 N_BLOCKS]; xb/g/xs: `TcX`; res/out: f32 [M]; part: f32 [SPLIT, M] and count: int32
-    [cdiv(M, BN)] (zeros; left zero) when SPLIT > 1 (`_split_sum`)."""
-    SW: tl.constexpr = 36 * N_BLOCKS  # words per row (a constant: 16-byte aligned row starts)
+    w: int32 [M, words per row] (Q4_K: 36 N_BLOCKS; Q6_K: 105 N_BLOCKS / 2, N_BLOCKS even); xb/g/xs: `TcX` in the
+    type's format; res/out: f32 [M]; part: f32 [SPLIT, M] and count: int32 [cdiv(M, BN)] (zeros; left zero) when
+    SPLIT > 1 (`_split_sum`)."""
+    SW: tl.constexpr = 36 * N_BLOCKS if QTYPE == 12 else 105 * N_BLOCKS // 2  # words per row (row starts aligned)
     NBS: tl.constexpr = N_BLOCKS // SPLIT
     blk = tl.program_id(0)
     sp = tl.program_id(1)
     row = blk * BN + tl.arange(0, BN)
     ok = row < M
-    wp = w_ptr + row.to(tl.int64) * SW  # [BN]
+    wp = w_ptr + tl.minimum(row, M - 1).to(tl.int64) * SW  # rows past M read the last one (Q6_K loads are unmasked)
     acc = tl.zeros([BN, 16], dtype=tl.float32)
     for i in range(NBS):
         kb = sp * NBS + i
-        acc = _tc_block(acc, wp + kb * 36, ok, _xb_tile(xb_ptr, kb), g_ptr, xs_ptr, kb, 1.0, magic, lo_nib, hi_nib,
-                        BN)
+        acc = _tc_step(acc, wp, kb, ok, xb_ptr, g_ptr, xs_ptr, kb, 1.0, magic, m1, m2, QTYPE, BN)
     out = tl.sum(acc, axis=1)
     last = True
     if SPLIT > 1:
@@ -317,66 +330,13 @@ def _tcgate_up_kernel(wg_ptr, wu_ptr, xb_ptr, g_ptr, xs_ptr, ids_ptr, out_ptr, h
 
 @triton.jit
 def _tcdown_kernel(w_ptr, hb_ptr, hg_ptr, hs_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, part_ptr, count_ptr, N,
-                   stride_e, magic, lo_nib, hi_nib, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                   stride_e, magic, m1, m2, QTYPE: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
                    BN: tl.constexpr, SPLIT: tl.constexpr):
     """Grid (cdiv(N, BN), SPLIT): rows i BN .. + BN of out = res + sum_e wts[e] Wd[ids[e]] @ h_e, program s taking
-    experts s N_SEL/SPLIT .. (summed in order; the routing weight folded into the scales). w: int32
-    [E, N, 36 N_BLOCKS]; hb/hg/hs: the TcX of h as one vector of N_SEL F (F = 256 N_BLOCKS); res/out: f32 [N];
-    part: f32 [SPLIT, N] and count: int32 [cdiv(N, BN)] when SPLIT > 1."""
-    SW: tl.constexpr = 36 * N_BLOCKS
-    NES: tl.constexpr = N_SEL // SPLIT
-    blk = tl.program_id(0)
-    sp = tl.program_id(1)
-    row = blk * BN + tl.arange(0, BN)
-    ok = row < N
-    acc = tl.zeros([BN, 16], dtype=tl.float32)
-    for i in range(NES):
-        e = sp * NES + i
-        wp = w_ptr + tl.load(ids_ptr + e).to(tl.int64) * stride_e + row.to(tl.int64) * SW
-        wt = tl.load(wts_ptr + e)
-        for kb in range(N_BLOCKS):
-            hk = e * N_BLOCKS + kb
-            acc = _tc_block(acc, wp + kb * 36, ok, _xb_tile(hb_ptr, hk), hg_ptr, hs_ptr, hk, wt, magic, lo_nib,
-                            hi_nib, BN)
-    out = tl.sum(acc, axis=1)
-    last = True
-    if SPLIT > 1:
-        last, out = _split_sum(out, part_ptr, count_ptr, blk, sp, N, row, ok, SPLIT)
-    if last:
-        tl.store(out_ptr + row, out + tl.load(res_ptr + row, mask=ok, other=0.0), mask=ok)
-
-
-@triton.jit
-def _tc6mv_kernel(w_ptr, xb_ptr, g_ptr, res_ptr, out_ptr, part_ptr, count_ptr, M, magic, lo_nib, hi2,
-                  N_BLOCKS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, HAS_RES: tl.constexpr):
-    """`_tcmv_kernel` for Q6_K: w int32 [M, 105 N_BLOCKS / 2] (N_BLOCKS even), x a format-6 TcX."""
-    SW: tl.constexpr = 105 * N_BLOCKS // 2
-    NBS: tl.constexpr = N_BLOCKS // SPLIT
-    blk = tl.program_id(0)
-    sp = tl.program_id(1)
-    row = blk * BN + tl.arange(0, BN)
-    ok = row < M
-    wp = w_ptr + tl.minimum(row, M - 1).to(tl.int64) * SW  # rows past M read the last row (unmasked loads)
-    acc = tl.zeros([BN, 16], dtype=tl.float32)
-    for i in range(NBS):
-        kb = sp * NBS + i
-        acc = _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, kb, 1.0, magic, lo_nib, hi2, BN)
-    out = tl.sum(acc, axis=1)
-    last = True
-    if SPLIT > 1:
-        last, out = _split_sum(out, part_ptr, count_ptr, blk, sp, M, row, ok, SPLIT)
-    if last:
-        if HAS_RES:
-            out += tl.load(res_ptr + row, mask=ok, other=0.0)
-        tl.store(out_ptr + row, out, mask=ok)
-
-
-@triton.jit
-def _tc6down_kernel(w_ptr, hb_ptr, hg_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, part_ptr, count_ptr, N, stride_e,
-                    magic, lo_nib, hi2, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, BN: tl.constexpr,
-                    SPLIT: tl.constexpr):
-    """`_tcdown_kernel` for Q6_K: w int32 [E, N, 105 N_BLOCKS / 2] (stride_e in words), h a format-6 TcX."""
-    SW: tl.constexpr = 105 * N_BLOCKS // 2
+    experts s N_SEL/SPLIT .. (summed in order; the routing weight folded into the scales). w: int32 [E, N, words
+    per row] (stride_e in words); hb/hg/hs: the TcX of h (the type's format) as one vector of N_SEL F
+    (F = 256 N_BLOCKS); res/out: f32 [N]; part: f32 [SPLIT, N] and count: int32 [cdiv(N, BN)] when SPLIT > 1."""
+    SW: tl.constexpr = 36 * N_BLOCKS if QTYPE == 12 else 105 * N_BLOCKS // 2
     NES: tl.constexpr = N_SEL // SPLIT
     blk = tl.program_id(0)
     sp = tl.program_id(1)
@@ -388,7 +348,7 @@ def _tc6down_kernel(w_ptr, hb_ptr, hg_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, p
         wp = w_ptr + tl.load(ids_ptr + e).to(tl.int64) * stride_e + tl.minimum(row, N - 1).to(tl.int64) * SW
         wt = tl.load(wts_ptr + e)
         for kb in range(N_BLOCKS):
-            acc = _tc6_block(acc, wp, kb, ok, hb_ptr, hg_ptr, e * N_BLOCKS + kb, wt, magic, lo_nib, hi2, BN)
+            acc = _tc_step(acc, wp, kb, ok, hb_ptr, hg_ptr, hs_ptr, e * N_BLOCKS + kb, wt, magic, m1, m2, QTYPE, BN)
     out = tl.sum(acc, axis=1)
     last = True
     if SPLIT > 1:
@@ -470,13 +430,10 @@ def qmatvec_tc(w: torch.Tensor, x: TcX, out: torch.Tensor, residual: torch.Tenso
     _check_split(split, nb, f"blocks of K = {256 * nb}")
     ww = _rows(w, qtype, 256 * nb)
     part, count = _scratch(split * m, triton.cdiv(m, TC_BN), w.device) if split > 1 else (out, out)
-    res = out if residual is None else residual
-    grid = (triton.cdiv(m, TC_BN), split)
-    kw = dict(N_BLOCKS=nb, BN=TC_BN, SPLIT=split, HAS_RES=residual is not None, num_warps=4, num_stages=2)
-    if qtype == Q4_K:
-        _tcmv_kernel[grid](ww, x.xb, x.g, x.xs, res, out, part, count, m, MAGIC, LO_NIB, HI_NIB, **kw)
-    else:
-        _tc6mv_kernel[grid](ww, x.xb, x.g, res, out, part, count, m, MAGIC, LO_NIB, HI2, **kw)
+    _tcmv_kernel[(triton.cdiv(m, TC_BN), split)](
+        ww, x.xb, x.g, x.xs, out if residual is None else residual, out, part, count, m, MAGIC, LO_NIB, M2[qtype],
+        QTYPE=qtype, N_BLOCKS=nb, BN=TC_BN, SPLIT=split, HAS_RES=residual is not None, num_warps=4, num_stages=2,
+    )
     return out
 
 
@@ -519,12 +476,8 @@ def moe_down_tc(w_down: torch.Tensor, h: TcX, ids: torch.Tensor, weights: torch.
     wd = _rows(w_down, qtype, 256 * nb)
     stride_e = w_down.stride(0) // 4  # words
     part, count = _scratch(split * n, triton.cdiv(n, TC_BN), wd.device) if split > 1 else (out, out)
-    grid = (triton.cdiv(n, TC_BN), split)
-    kw = dict(N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2)
-    if qtype == Q4_K:
-        _tcdown_kernel[grid](wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, stride_e, MAGIC,
-                             LO_NIB, HI_NIB, **kw)
-    else:
-        _tc6down_kernel[grid](wd, h.xb, h.g, ids, weights, residual, out, part, count, n, stride_e, MAGIC, LO_NIB,
-                              HI2, **kw)
+    _tcdown_kernel[(triton.cdiv(n, TC_BN), split)](
+        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, stride_e, MAGIC, LO_NIB, M2[qtype],
+        QTYPE=qtype, N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2,
+    )
     return out
