@@ -122,33 +122,37 @@ class Case:
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in self.launches]
 
     def tcfns(self, split: int | None) -> list[Callable[[], object]]:
-        """tcmatvec's tensor-core Q4_K kernels on the same launches; x (and down's h) prepared once outside the
-        timed region, gate/up writing h prepared for down (as in the decode step)."""
+        """tcmatvec's tensor-core kernels on the same launches; x (and down's h) prepared once outside the timed
+        region, gate/up writing h prepared for a down product of its type (as in the decode step)."""
+        qt, fmt = self.qtype, TC.FORMATS[self.qtype]
         if self.kind == "mv":
-            xt = TC.prepare_x(self.x)
-            return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, split=split) for w in self.ws]
+            xt = TC.prepare_x(self.x, fmt=fmt)
+            return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, qtype=qt, split=split) for w in self.ws]
         if self.kind == "gate_up":
             xt = TC.prepare_x(self.x)
             ht = TC.empty_x(self.m, self.x.device, N_SEL)
             return [lambda w=w, w2=w2, i=i: TC.moe_gate_up_tc(w, w2, xt, i, ht, split=split)
                     for w, w2, i in self.launches]
-        ht = TC.prepare_x(self.x.reshape(-1))
-        return [lambda w=w, i=i: TC.moe_down_tc(w, ht, i, self.wts, self.res, self.out, split=split)
+        ht = TC.prepare_x(self.x.reshape(-1), fmt=fmt)
+        return [lambda w=w, i=i: TC.moe_down_tc(w, ht, i, self.wts, self.res, self.out, qtype=qt, split=split)
                 for w, _, i in self.launches]
 
     def tc_check(self) -> float:
-        """Largest |tensor cores - word kernel| / max |word kernel| on the first launch."""
+        """Largest |tensor cores - byte kernel| / max |byte kernel| on the first launch."""
+        qt, fmt = self.qtype, TC.FORMATS[self.qtype]
         if self.kind == "mv":
-            a = W.KERNELS["mv"][self.qtype](self.ws[0], permute_k4(self.x), torch.empty_like(self.out), self.res)
-            b = TC.qmatvec_tc(self.ws[0], TC.prepare_x(self.x), torch.empty_like(self.out), self.res)
+            a = Q.qmatvec(self.ws[0], qt, self.x, torch.empty_like(self.out), self.res)
+            b = TC.qmatvec_tc(self.ws[0], TC.prepare_x(self.x, fmt=fmt), torch.empty_like(self.out), self.res,
+                              qtype=qt)
         elif self.kind == "gate_up":
             w, w2, i = self.launches[0]
-            a = W.KERNELS["gate_up"][self.qtype](w, w2, permute_k4(self.x), i, torch.empty_like(self.out), "silu")
+            a = Q.moe_gate_up(w, w2, qt, qt, self.x, i, torch.empty_like(self.out), "silu")
             b = TC.moe_gate_up_tc(w, w2, TC.prepare_x(self.x), i, torch.empty_like(self.out))
         else:
             w, _, i = self.launches[0]
-            a = W.KERNELS["down"][self.qtype](w, permute_k4(self.x), i, self.wts, self.res, torch.empty_like(self.out))
-            b = TC.moe_down_tc(w, TC.prepare_x(self.x.reshape(-1)), i, self.wts, self.res, torch.empty_like(self.out))
+            a = Q.moe_down(w, qt, self.x, i, self.wts, self.res, torch.empty_like(self.out))
+            b = TC.moe_down_tc(w, TC.prepare_x(self.x.reshape(-1), fmt=fmt), i, self.wts, self.res,
+                               torch.empty_like(self.out), qtype=qt)
         return float((a - b).abs().max() / a.abs().max())
 
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
@@ -246,14 +250,15 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
-            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if qt == TC.Q4_K else []
+            has_tc = TC.supports_tc(qt, k) and (qt == TC.Q4_K or case.kind != "gate_up")
+            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if has_tc else []
             if tc_splits:
-                row["tc_rel_err_vs_words"] = case.tc_check()
-                xt0 = TC.prepare_x(case.x.reshape(-1))
-                tp = graph_time([lambda c=case, o=xt0: TC.prepare_x(c.x.reshape(-1), o)])
+                row["tc_rel_err_vs_bytes"] = case.tc_check()
+                xt0 = TC.prepare_x(case.x.reshape(-1), fmt=TC.FORMATS[qt])
+                tp = graph_time([lambda c=case, o=xt0, f=TC.FORMATS[qt]: TC.prepare_x(c.x.reshape(-1), o, f)])
                 row["tc_prepare_us"] = tp * 1e6
-                print(f"{name:5} {label:28} {tp * 1e6:8.2f} us tensor-core x preparation; tc vs words: rel err "
-                      f"{row['tc_rel_err_vs_words']:.2e}", flush=True)
+                print(f"{name:5} {label:28} {tp * 1e6:8.2f} us tensor-core x preparation; tc vs bytes: rel err "
+                      f"{row['tc_rel_err_vs_bytes']:.2e}", flush=True)
             for spec in tc_splits:
                 sp = None if spec == "default" else int(spec)
                 if sp and (N_SEL if case.kind == "down" else k // 256) % sp:

@@ -26,6 +26,18 @@ bench() {  # bench FILE TAG ARGS...
     | tee -a "$LOG"
 }
 
+ab() {  # ab TYPE OPS_A TAG_A OPS_B TAG_B: synthesize OLMoE, eager profiles and tg128 of two sets of decode ops
+  local t=$1 f=/tmp/olmoe-1b-7b-$1.gguf ops
+  timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
+  for ops in "$2" "$4"; do
+    timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager --ops "$ops" 2>&1 | grep -v "loading to" \
+      | head -18 | tee -a "$LOG"
+  done
+  bench "$f" "olmoe-1b-7b-$t-$3" -p 0 -n 128 -r 5 -d 0,4096 --ops "$2"
+  bench "$f" "olmoe-1b-7b-$t-$5" -p 0 -n 128 -r 5 -d 0,4096 --ops "$4"
+  rm -f "$f"
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -60,33 +72,19 @@ for stage in "$@"; do
       bench "$f" "olmoe-1b-7b-$t-prefill" -p 512,4096 -n ${PREFILL_TG:-128} -r 5
       rm -f "$f" ;;
     words:*)
-      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
+      t=${stage#*:}
       timeout 300 python3 -m pytest -q -x tests/kernels/test_wmatvec.py tests/kernels/test_qmatvec.py 2>&1 | tail -2 \
         | tee -a "$LOG"
       timeout 300 python3 benchmarks/bench_qmatvec.py --types ${WTYPES:-q4_k} ${WTILES:+--wtiles "$WTILES"} 2>&1 | tee -a "$LOG"
-      timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
-      for ops in triton triton-bytes; do
-        timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager --ops $ops 2>&1 | grep -v "loading to" \
-          | head -16 | tee -a "$LOG"
-      done
-      bench "$f" "olmoe-1b-7b-$t-words" -p 0 -n 128 -r 5 -d 0,4096 --ops triton
-      bench "$f" "olmoe-1b-7b-$t-bytes" -p 0 -n 128 -r 5 --ops triton-bytes
-      rm -f "$f"
+      ab "$t" triton words triton-bytes bytes
       MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/engine/test_fast_decode.py 2>&1 | tail -3 \
         | tee -a "$LOG" ;;
-    tc:*)  # tensor-core Q4_K kernels (tcmatvec.py): GPU tests, micro-benchmark vs the word kernels, profile + tg128 A/B
-      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
+    tc:*)  # tensor-core kernels (tcmatvec.py): GPU tests, micro-benchmark vs the word/byte kernels, profile + tg128 A/B
+      t=${stage#*:}
       timeout 300 python3 -m pytest -q -x tests/kernels/test_tcmatvec.py 2>&1 | tail -2 | tee -a "$LOG"
-      timeout 300 python3 benchmarks/bench_qmatvec.py --types q4_k --kinds mv,gate_up,down,out --wtiles default \
+      timeout 300 python3 benchmarks/bench_qmatvec.py --types q4_k,q6_k --kinds mv,gate_up,down,out --wtiles default \
         --json "$OUT/tc-qmatvec.json" 2>&1 | tee -a "$LOG"
-      timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
-      for ops in triton triton-tc; do
-        timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager --ops $ops 2>&1 | grep -v "loading to" \
-          | head -18 | tee -a "$LOG"
-      done
-      bench "$f" "olmoe-1b-7b-$t-words" -p 0 -n 128 -r 5 -d 0,4096 --ops triton
-      bench "$f" "olmoe-1b-7b-$t-tc" -p 0 -n 128 -r 5 -d 0,4096 --ops triton-tc
-      rm -f "$f"
+      ab "$t" triton words triton-tc tc
       MOERUN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/engine/test_fast_decode.py -k "triton-tc" 2>&1 \
         | tail -3 | tee -a "$LOG" ;;
     tg:*|pp:*)  # just the bench: tg128 (words and depth 4096) or pp512 of OLMoE
