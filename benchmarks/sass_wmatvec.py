@@ -26,8 +26,9 @@ N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
            "down6": "_wdown6_kernel",
            "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel",
-           "tcmv6": "_tcmv_kernel", "tcdown6": "_tcdown_kernel"}
-# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core kernels, Q4_K (tc*6: Q6_K; their own tile: 64 rows, 4 warps)
+           "tcmv6": "_tcmv_kernel", "tcdown6": "_tcdown_kernel",
+           "tcmv8": "_tcmv_kernel", "tcgate_up8": "_tcgate_up_kernel", "tcdown8": "_tcdown_kernel"}
+# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core kernels, Q4_K (tc*6: Q6_K, tc*8: Q8_0; their own tile: 64 rows, 4 warps)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -43,6 +44,12 @@ def _q4k(*lead_k: int) -> torch.Tensor:
 
 def _q6k(*lead_k: int) -> torch.Tensor:
     return _blocks(14, 210, *lead_k)
+
+
+def _q8(*lead_k: int) -> torch.Tensor:
+    *lead, k = lead_k
+    n = int(np.prod(lead))
+    return torch.from_numpy(random_blocks(8, n * k // 32, np.random.default_rng(0))).reshape(*lead, k // 32 * 34)
 
 
 def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
@@ -61,6 +68,15 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
             tc.moe_gate_up_tc(w, w, tc.empty_x(N, torch.device("cpu")), ids, tc.empty_x(F, torch.device("cpu"), TOPK))
         elif kind == "tcmv6":
             tc.qmatvec_tc(_q6k(N, N), tc.empty_x(N, torch.device("cpu")), torch.empty(N), qtype=14)
+        elif kind == "tcmv8":
+            tc.qmatvec_tc(_q8(N, N), tc.empty_x(N, torch.device("cpu")), torch.empty(N), qtype=8)
+        elif kind == "tcgate_up8":
+            w = _q8(E, F, N)
+            tc.moe_gate_up_tc(w, w, tc.empty_x(N, torch.device("cpu")), ids, tc.empty_x(F, torch.device("cpu"), TOPK),
+                              qtype=8, out_fmt=8)
+        elif kind == "tcdown8":
+            tc.moe_down_tc(_q8(E, N, F), tc.empty_x(F, torch.device("cpu"), TOPK), ids, torch.ones(TOPK),
+                           torch.zeros(N), torch.empty(N), qtype=8)
         elif kind == "tcdown6":
             tc.moe_down_tc(_q6k(E, N, F), tc.empty_x(F, torch.device("cpu"), TOPK), ids, torch.ones(TOPK),
                            torch.zeros(N), torch.empty(N), qtype=14)
@@ -100,7 +116,7 @@ def main() -> None:
             ck = compile_launch(getattr(tc if kind.startswith("tc") else wk, KERNELS[kind]), a, kw)
             sass, res = sass_of(ck)
             body = main_loop(sass)
-            per_trip = tile.rows * kw.get("NB", 1) * 256 * (2 if kind.endswith("gate_up") else 1)  # per loop trip
+            per_trip = tile.rows * kw.get("NB", 1) * 256 * (2 if "gate_up" in kind else 1)  # per loop trip
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)

@@ -22,8 +22,8 @@ class TritonOps:
 
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
-    tc: Q4_K products (K % 256 == 0) run on tcmatvec's tensor-core kernels instead: x prepared by one more launch
-    per product, h handed from gate/up to down prepared (an experiment: benchmarks/NOTES.md 7e)."""
+    tc: Q4_K, Q6_K and Q8_0 products run on tcmatvec's tensor-core kernels instead: x prepared by RMSNorm (Q4_K's
+    layout) or one more launch, h handed from gate/up to down prepared (an experiment: benchmarks/NOTES.md 7e)."""
 
     name = "triton"
 
@@ -60,7 +60,7 @@ class TritonOps:
     def h_layout(self, qtype_gate: int, qtype_up: int, qtype_down: int, f: int) -> bool | str:
         """As TorchOps', or "tc4" / "tc6": gate/up writes h prepared (in the down type's TcX format) for a
         tensor-core down product."""
-        if self.tc and qtype_gate == qtype_up == tc.Q4_K and tc.supports_tc(qtype_down, f):
+        if self.tc and qtype_gate == qtype_up and qtype_gate in tc.FORMATS and tc.supports_tc(qtype_down, f):
             return f"tc{tc.FORMATS[qtype_down]}"
         return self.perm(qtype_down, f, "down")
 
@@ -96,13 +96,15 @@ class TritonOps:
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool | str = False) -> torch.Tensor:
         """perm_out: `h_layout`'s answer ("tc4" / "tc6": h goes to this object's prepared buffer for `moe_down`)."""
-        tc_ok = self.tc and qtype_gate == qtype_up == tc.Q4_K and x.shape[-1] % 256 == 0
+        tc_ok = self.tc and qtype_gate == qtype_up and tc.supports_tc(qtype_gate, x.shape[-1])
         h_tc = isinstance(perm_out, str) and perm_out.startswith("tc")
         if h_tc or (tc_ok and not perm_out):
             if not tc_ok:
-                raise ValueError("h prepared for tensor cores needs Q4_K gate and up matrices with K % 256 == 0")
+                raise ValueError("h prepared for tensor cores needs gate and up matrices of one type with a "
+                                 "tensor-core kernel")
             dst = self._h_tc(ids.shape[0], out.shape[-1], out.device) if h_tc else out
-            tc.moe_gate_up_tc(w_gate, w_up, self._prepared(x), ids, dst, act, out_fmt=int(perm_out[2:]) if h_tc else 4)
+            tc.moe_gate_up_tc(w_gate, w_up, self._prepared(x, tc.FORMATS[qtype_gate]), ids, dst, act,
+                              qtype=qtype_gate, out_fmt=int(perm_out[2:]) if h_tc else 4)
             return out
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)

@@ -21,7 +21,7 @@ from support.kernel_checks import check_bound, matvec_case, quant_weights, vec  
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import tcmatvec as tc  # noqa: E402
 
-Q4_K, Q6_K = int(T.Q4_K), int(T.Q6_K)
+Q4_K, Q6_K, Q8_0 = int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)
 TOL = 2e-6  # x split into two f16 parts: ~2^-22 relative each, then float32 accumulation
 
 
@@ -106,7 +106,8 @@ def test_triton_ops_dispatch(device, rng) -> None:
     check_bound(out, dense @ x.double(), dense.abs() @ x.double().abs(), seed, "TritonOps(tc=True)", tol=TOL)
     assert list(ops._tc_x) == [(512, 4, x.to(device).device)]
     assert ops.h_layout(Q4_K, Q4_K, Q4_K, 1024) == "tc4" and ops.h_layout(Q4_K, Q4_K, Q6_K, 1024) == "tc6"
-    assert ops.h_layout(Q4_K, Q4_K, Q6_K, 768) is False and ops.h_layout(Q4_K, Q4_K, 8, 1024) is True  # Q8_0 words
+    assert ops.h_layout(Q4_K, Q4_K, Q6_K, 768) is False and ops.h_layout(Q4_K, Q4_K, Q8_0, 1024) == "tc8"
+    assert ops.h_layout(Q4_K, Q4_K, int(T.Q5_K), 1024) is False  # no kernel of either kind
     assert ops.h_layout(Q4_K, Q4_K, Q4_K, 1000) is False and TritonOps().h_layout(Q4_K, Q4_K, Q4_K, 1024) is True
     want = tc.qmatvec_tc(raw, tc.prepare_x(x.to(device)), torch.empty(40, device=device))
     assert torch.equal(out, want)
@@ -142,7 +143,10 @@ def test_moe_gate_up_tc(out_tc, split, device, rng) -> None:
         gw = h.g.cpu().double().view(-1, 8)[:, (cols // 32)]  # [blocks, 256]
         vals = torch.empty(h.xb.shape[0], 256, dtype=torch.float64)
         vals[:, cols] = got_h.cpu() * gw
-        check_bound(vals.reshape(-1), ref.reshape(-1), bound.reshape(-1), seed, "gate/up into a TcX", tol=TOL)
+        # h is stored as g (hi + lo): ~2^-22 of the largest |h| of its 32, on top of the products' rounding
+        group_max = ref.abs().reshape(-1, 32).amax(1).repeat_interleave(32)
+        check_bound(vals.reshape(-1), ref.reshape(-1), bound.reshape(-1) + 0.25 * group_max, seed,
+                    "gate/up into a TcX", tol=TOL)
     else:
         out = torch.full((len(ids), f), float("nan"), device=device)
         got = tc.moe_gate_up_tc(wg, wu, xp, ids.to(device), out, split=split)
@@ -220,9 +224,12 @@ def _unprepare(x: tc.TcX, fmt: int) -> torch.Tensor:
     """The values a TcX holds, back in natural order (float64): g (hi + lo) at each position's slot."""
     k = x.g.numel() * 32
     pos = torch.arange(k)
+    wi = pos % 256
     if fmt == 4:
-        wi = pos % 256
         j = 8 * (8 * (wi // 64) + (wi // 4) % 8) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
+        row, cp = (pos // 256) * 256 + j, 2 * (wi // 32)
+    elif fmt == 8:
+        j = 64 * (wi // 64) + 8 * ((wi % 32) // 4) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
         row, cp = (pos // 256) * 256 + j, 2 * (wi // 32)
     else:
         li = pos % 128
@@ -233,7 +240,7 @@ def _unprepare(x: tc.TcX, fmt: int) -> torch.Tensor:
     return (xb[row, cp] + xb[row, cp + 1]) * x.g.cpu().double()[pos // 32]
 
 
-@pytest.mark.parametrize("fmt", [4, 6])
+@pytest.mark.parametrize("fmt", [4, 6, 8])
 def test_prepare_x_formats(fmt, device, rng) -> None:
     """Both layouts hold every value once (hi + lo on the diagonal, zeros elsewhere)."""
     gen, seed = rng
@@ -277,3 +284,39 @@ def test_q6k_down_from_gate_up(split, device, rng) -> None:
     ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(3))
     bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(3))
     check_bound(out, ref, bound, seed, f"Q6_K tensor-core down split={split}", tol=1e-5)
+
+
+@pytest.mark.parametrize("m,n_blk,res,split", [(1, 1, False, None), (37, 3, True, 3), (70, 2, False, 1)])
+def test_qmatvec_tc_q8_0(m, n_blk, res, split, device, rng) -> None:
+    """Q8_0: 34-byte blocks read as 68-word groups of 8, every other block's quads funnel-shifted."""
+    gen, seed = rng
+    k = 256 * n_blk
+    raw, dense = quant_weights(Q8_0, (m,), k, gen, device)
+    x = vec(gen, k)
+    x[40:45] *= 1e4
+    out, residual, ref, bound = matvec_case(dense, x, res, gen, device)
+    tc.qmatvec_tc(raw, tc.prepare_x(x.to(device), fmt=8), out, residual, qtype=Q8_0, split=split)
+    check_bound(out, ref, bound, seed, f"Q8_0 tensor-core matvec M={m} K={k} split={split}", tol=TOL)
+
+
+@pytest.mark.parametrize("qtype", [Q8_0, Q6_K], ids=["Q8_0", "Q6_K"])
+def test_ffn_tc_other_types(qtype, device, rng) -> None:
+    """Gate/up and down of one type besides Q4_K: h handed over prepared in that type's layout."""
+    gen, seed = rng
+    e, f, n = 4, 512, 512
+    wg, dg = quant_weights(qtype, (e, f), n, gen, device)
+    wu, du = quant_weights(qtype, (e, f), n, gen, device)
+    wd, dd = quant_weights(qtype, (e, n), f, gen, device)
+    x, res = vec(gen, n), vec(gen, n)
+    ids, wts = torch.tensor([1, 3], dtype=torch.int32), torch.tensor([0.6, 0.4])
+    fmt = tc.FORMATS[qtype]
+    h = tc.moe_gate_up_tc(wg, wu, tc.prepare_x(x.to(device), fmt=fmt), ids.to(device), tc.empty_x(f, device, 2),
+                          qtype=qtype, out_fmt=fmt)
+    href = ACTIVATIONS["silu"](dg[ids.long()] @ x.double()) * (du[ids.long()] @ x.double())
+    got_h = _unprepare(h, fmt).view(2, f)
+    assert ((got_h - href).abs() <= 1e-5 * href.abs().amax(1, keepdim=True)).all(), f"h (seed {seed})"
+    out = tc.moe_down_tc(wd, h, ids.to(device), wts.to(device), res.to(device), torch.empty(n, device=device),
+                         qtype=qtype)
+    ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(2))
+    bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(2))
+    check_bound(out, ref, bound, seed, f"{qtype} tensor-core gate/up -> down", tol=1e-5)

@@ -44,12 +44,13 @@ import triton.language as tl
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, sm_count
 from moerun.kernels.triton.wmatvec import _scale_min, _words
 
-Q4_K, Q6_K = 12, 14
-FORMATS = {Q4_K: 4, Q6_K: 6}  # the TcX layout each type's decoder reads
+Q8_0, Q4_K, Q6_K = 8, 12, 14
+FORMATS = {Q4_K: 4, Q6_K: 6, Q8_0: 8}  # the TcX layout each type's decoder reads
 TC_BN = 64  # rows per program: one warpgroup's MMA height (wgmma m64), 4 warps
 PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM (unmeasured)
 MAGIC, LO_NIB, HI_NIB, HI2 = 0x64006400, 0x000F000F, 0x00F000F0, 0x00300030  # runtime args (wmatvec.FQ_MASK)
-M2 = {Q4_K: HI_NIB, Q6_K: HI2}  # the decoders' second mask
+M1 = {Q4_K: LO_NIB, Q6_K: LO_NIB, Q8_0: 0x00FF00FF}  # the decoders' masks (Q8_0: bytes, then the sign flip)
+M2 = {Q4_K: HI_NIB, Q6_K: HI2, Q8_0: 0x64806480}
 
 
 class TcX(NamedTuple):
@@ -81,11 +82,14 @@ def tc_column_weights() -> torch.Tensor:
 
 @triton.jit
 def _tc_slot(k, FMT: tl.constexpr):
-    """Where x position k goes in a TcX's xb (format FMT: 4 for the Q4_K decoder, 6 for Q6_K's): the offset of its
+    """Where x position k goes in a TcX's xb (format FMT: 4, 6, 8 for the Q4_K, Q6_K, Q8_0 decoders): the offset of its
     row's column 0, and its column pair 2c (c: the scale sub-block within the tile)."""
     wi = k % 256
     if FMT == 4:  # wi = 64 c + 32 h + 4 t + q -> row 8 (8 c + t) + 4 h + 2 (q % 2) + q // 2 of a 256-row tile
         j = 8 * (8 * (wi // 64) + (wi // 4) % 8) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
+        return (k // 256) * 4096 + j * 16, 2 * (wi // 32)
+    elif FMT == 8:  # wi = 64 p + 32 h + 4 i + q -> row 64 p + 8 i + 4 h + 2 (q % 2) + q // 2, c = 2 p + h
+        j = 64 * (wi // 64) + 8 * ((wi % 32) // 4) + 4 * ((wi // 32) % 2) + 2 * (wi % 2) + (wi // 2) % 2
         return (k // 256) * 4096 + j * 16, 2 * (wi // 32)
     else:  # l = wi % 128 = 64 h + 4 t + q -> row 8 t + 4 (q % 2) + 2 h + q // 2 of a 128-row tile, c = 4 h + t // 4
         l = wi % 128
@@ -229,14 +233,54 @@ def _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, lo_nib, hi2, BN
 
 
 @triton.jit
+def _tc8_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, m_byte, flip, BN: tl.constexpr):
+    """acc [BN, 16] += 256-weight group kb of BN Q8_0 rows (wp: int32 row pointers [BN]; a group is 8 blocks = 68
+    words) times x's block xk (a format-8 TcX), times `scale`. Block pair p of the group is words 17 p ..: block 0's
+    quads straddle two words (funnel-shifted), block 1's are words 17 p + 9 + i; d0 = the low half of word 17 p,
+    d1 the high half of word 17 p + 8. A byte pair becomes f16 by (w & 0x00FF00FF) ^ 0x64806480 = 1024 + (q + 128)
+    (the xor flips q's sign bit and sets the exponent), minus 1152 = q, exact; tile row j = 64 p + 8 i + 4 h + 2 s
+    + p' for byte s + 2 p' of quad i of block h of pair p (weight 64 p + 32 h + 4 i + s + 2 p', block 2 p + h)."""
+    c8 = tl.arange(0, 8)
+    base = kb * 68 + 17 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 4, 8]: word 17 p + i
+    okc = ok[:, None, None]
+    w3 = wp[:, None, None]
+    a0 = tl.load(w3 + base, mask=okc, other=0)
+    a1 = tl.load(w3 + base + 1, mask=okc, other=0)
+    q1 = tl.load(w3 + base + 9, mask=okc, other=0)
+    q0 = ((a0 >> 16) & 0xFFFF) | (a1 << 16)
+    qw = tl.join(q0, q1)  # [BN, 4, 8, h]
+    v = tl.join((qw & m_byte) ^ flip, ((qw >> 8) & m_byte) ^ flip)  # [BN, 4, 8, h, s]
+    q = tl.reshape(_f16_pairs(tl.reshape(v, [BN, 128])), [BN, 256]) - 1152.0
+    xb = _xb_tile(xb_ptr, xk)
+    p = tl.dot(q, xb)  # [BN, 16]
+    dword = tl.load(wp[:, None] + kb * 68 + 17 * (c8 // 2)[None, :] + 8 * (c8 % 2)[None, :], mask=ok[:, None], other=0)
+    d = tl.where((c8 % 2 == 1)[None, :], dword >> 16, dword & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    s = d.to(tl.float32) * scale * tl.load(g_ptr + xk * 8 + c8)[None, :]  # [BN, 8]: block c = 2 p + h
+    return acc + p * tl.reshape(tl.join(s, s), [BN, 16])
+
+
+@triton.jit
 def _tc_step(acc, wp, kb, ok, xb_ptr, g_ptr, xs_ptr, xk, scale, magic, m1, m2, QTYPE: tl.constexpr,
              BN: tl.constexpr):
-    """acc [BN, 16] += block kb of BN rows of type QTYPE (wp: int32 row pointers) times x's block xk, times scale:
-    `_tc_block` (Q4_K; m1, m2 = LO_NIB, HI_NIB) or `_tc6_block` (Q6_K; LO_NIB, HI2)."""
+    """acc [BN, 16] += 256-weight block kb of BN rows of type QTYPE (wp: int32 row pointers) times x's block xk,
+    times scale: `_tc_block` (Q4_K; m1, m2 = M1, M2 of the type), `_tc6_block` (Q6_K) or `_tc8_block` (Q8_0)."""
     if QTYPE == 12:
         return _tc_block(acc, wp + kb * 36, ok, _xb_tile(xb_ptr, xk), g_ptr, xs_ptr, xk, scale, magic, m1, m2, BN)
-    else:
+    elif QTYPE == 14:
         return _tc6_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, m1, m2, BN)
+    else:
+        return _tc8_block(acc, wp, kb, ok, xb_ptr, g_ptr, xk, scale, magic, m1, m2, BN)
+
+
+@triton.jit
+def _row_words(QTYPE: tl.constexpr, N_BLOCKS: tl.constexpr):
+    """int32 words per row of N_BLOCKS 256-weight blocks (a constant, so row starts stay aligned)."""
+    if QTYPE == 12:
+        return 36 * N_BLOCKS
+    elif QTYPE == 14:
+        return 105 * N_BLOCKS // 2
+    else:
+        return 68 * N_BLOCKS
 
 
 @triton.jit
@@ -263,7 +307,7 @@ def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count
     w: int32 [M, words per row] (Q4_K: 36 N_BLOCKS; Q6_K: 105 N_BLOCKS / 2, N_BLOCKS even); xb/g/xs: `TcX` in the
     type's format; res/out: f32 [M]; part: f32 [SPLIT, M] and count: int32 [cdiv(M, BN)] (zeros; left zero) when
     SPLIT > 1 (`_split_sum`)."""
-    SW: tl.constexpr = 36 * N_BLOCKS if QTYPE == 12 else 105 * N_BLOCKS // 2  # words per row (row starts aligned)
+    SW: tl.constexpr = _row_words(QTYPE, N_BLOCKS)
     NBS: tl.constexpr = N_BLOCKS // SPLIT
     blk = tl.program_id(0)
     sp = tl.program_id(1)
@@ -286,14 +330,15 @@ def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count
 
 @triton.jit
 def _tcgate_up_kernel(wg_ptr, wu_ptr, xb_ptr, g_ptr, xs_ptr, ids_ptr, out_ptr, hb_ptr, hg_ptr, hs_ptr, part_ptr,
-                      count_ptr, F, stride_ge, stride_ue, magic, lo_nib, hi_nib, N_BLOCKS: tl.constexpr,
+                      count_ptr, F, stride_ge, stride_ue, magic, m1, m2, QTYPE: tl.constexpr, N_BLOCKS: tl.constexpr,
                       BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, OUT_FMT: tl.constexpr):
     """Grid (cdiv(F, BN), n_sel, SPLIT): rows i BN .. + BN of expert ids[e]'s gate and up matrices over blocks
-    s NB/SPLIT .., x shared. wg/wu: int32 [E, F, 36 N_BLOCKS]; xb/g/xs: `TcX` of x; out: f32 [n_sel, F] gets
+    s NB/SPLIT .., x shared. wg/wu: int32 [E, F, words per row] of type QTYPE; xb/g/xs: `TcX` of x (the type's
+    format); out: f32 [n_sel, F] gets
     h = act(gate) * up (OUT_FMT 0), or the TcX of h in format OUT_FMT (4 or 6) as one vector of n_sel F (hb/hg/hs;
     F % 256 == 0) for a tensor-core down product. part: f32 [SPLIT, 2, n_sel, F] and count: int32
     [n_sel, cdiv(F, BN)] when SPLIT > 1."""
-    SW: tl.constexpr = 36 * N_BLOCKS
+    SW: tl.constexpr = _row_words(QTYPE, N_BLOCKS)
     NBS: tl.constexpr = N_BLOCKS // SPLIT
     blk = tl.program_id(0)
     sel = tl.program_id(1)
@@ -302,15 +347,14 @@ def _tcgate_up_kernel(wg_ptr, wu_ptr, xb_ptr, g_ptr, xs_ptr, ids_ptr, out_ptr, h
     row = blk * BN + tl.arange(0, BN)
     ok = row < F
     eid = tl.load(ids_ptr + sel).to(tl.int64)
-    gp = wg_ptr + eid * stride_ge + row.to(tl.int64) * SW
-    up = wu_ptr + eid * stride_ue + row.to(tl.int64) * SW
+    gp = wg_ptr + eid * stride_ge + tl.minimum(row, F - 1).to(tl.int64) * SW
+    up = wu_ptr + eid * stride_ue + tl.minimum(row, F - 1).to(tl.int64) * SW
     acc_g = tl.zeros([BN, 16], dtype=tl.float32)
     acc_u = tl.zeros([BN, 16], dtype=tl.float32)
     for i in range(NBS):
         kb = sp * NBS + i
-        xb = _xb_tile(xb_ptr, kb)
-        acc_g = _tc_block(acc_g, gp + kb * 36, ok, xb, g_ptr, xs_ptr, kb, 1.0, magic, lo_nib, hi_nib, BN)
-        acc_u = _tc_block(acc_u, up + kb * 36, ok, xb, g_ptr, xs_ptr, kb, 1.0, magic, lo_nib, hi_nib, BN)
+        acc_g = _tc_step(acc_g, gp, kb, ok, xb_ptr, g_ptr, xs_ptr, kb, 1.0, magic, m1, m2, QTYPE, BN)
+        acc_u = _tc_step(acc_u, up, kb, ok, xb_ptr, g_ptr, xs_ptr, kb, 1.0, magic, m1, m2, QTYPE, BN)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     last = True
@@ -336,7 +380,7 @@ def _tcdown_kernel(w_ptr, hb_ptr, hg_ptr, hs_ptr, ids_ptr, wts_ptr, res_ptr, out
     experts s N_SEL/SPLIT .. (summed in order; the routing weight folded into the scales). w: int32 [E, N, words
     per row] (stride_e in words); hb/hg/hs: the TcX of h (the type's format) as one vector of N_SEL F
     (F = 256 N_BLOCKS); res/out: f32 [N]; part: f32 [SPLIT, N] and count: int32 [cdiv(N, BN)] when SPLIT > 1."""
-    SW: tl.constexpr = 36 * N_BLOCKS if QTYPE == 12 else 105 * N_BLOCKS // 2
+    SW: tl.constexpr = _row_words(QTYPE, N_BLOCKS)
     NES: tl.constexpr = N_SEL // SPLIT
     blk = tl.program_id(0)
     sp = tl.program_id(1)
@@ -374,19 +418,23 @@ def prepare_x(x: torch.Tensor, out: TcX | None = None, fmt: int = 4) -> TcX:
 
 
 def supports_tc(qtype: int, k: int) -> bool:
-    """Whether a tensor-core kernel takes [*, K] matrices of this type (Q4_K: K % 256 == 0; Q6_K: K % 512 == 0,
-    so rows stay word-aligned)."""
-    return (qtype == Q4_K and k % 256 == 0) or (qtype == Q6_K and k % 512 == 0)
+    """Whether a tensor-core kernel takes [*, K] matrices of this type (Q4_K, Q8_0: K % 256 == 0; Q6_K:
+    K % 512 == 0, so rows stay word-aligned)."""
+    return qtype in FORMATS and k % (512 if qtype == Q6_K else 256) == 0
+
+
+ROW_BYTES = {Q4_K: 144, Q6_K: 210, Q8_0: 272}  # bytes per 256 weights
 
 
 def _rows(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """int32 view of Q4_K / Q6_K rows (uint8 [..., row_bytes], contiguous, 4-byte aligned)."""
+    """int32 view of Q4_K / Q6_K / Q8_0 rows (uint8 [..., row_bytes], contiguous, 4-byte aligned)."""
     if not supports_tc(qtype, k):
         raise ValueError(f"no tensor-core kernel for GGML type {qtype} at K = {k}")
     if qtype == Q4_K:
         return _words(w, k)
-    if w.shape[-1] != 210 * (k // 256) or not w.is_contiguous() or w.data_ptr() % 4:
-        raise ValueError(f"Q6_K rows must be contiguous {210 * (k // 256)}-byte rows from a 4-byte aligned start, "
+    rb = ROW_BYTES[qtype] * (k // 256)
+    if w.shape[-1] != rb or not w.is_contiguous() or w.data_ptr() % 4:
+        raise ValueError(f"GGML type {qtype} rows must be contiguous {rb}-byte rows from a 4-byte aligned start, "
                          f"got shape {tuple(w.shape)} strides {w.stride()}")
     return w.view(torch.int32)
 
@@ -431,17 +479,20 @@ def qmatvec_tc(w: torch.Tensor, x: TcX, out: torch.Tensor, residual: torch.Tenso
     ww = _rows(w, qtype, 256 * nb)
     part, count = _scratch(split * m, triton.cdiv(m, TC_BN), w.device) if split > 1 else (out, out)
     _tcmv_kernel[(triton.cdiv(m, TC_BN), split)](
-        ww, x.xb, x.g, x.xs, out if residual is None else residual, out, part, count, m, MAGIC, LO_NIB, M2[qtype],
+        ww, x.xb, x.g, x.xs, out if residual is None else residual, out, part, count, m, MAGIC, M1[qtype], M2[qtype],
         QTYPE=qtype, N_BLOCKS=nb, BN=TC_BN, SPLIT=split, HAS_RES=residual is not None, num_warps=4, num_stages=2,
     )
     return out
 
 
 def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.Tensor, out: torch.Tensor | TcX,
-                   act: str = "silu", *, out_fmt: int = 4, split: int | None = None) -> torch.Tensor | TcX:
-    """h[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts on tensor cores, in one launch.
+                   act: str = "silu", *, qtype: int = Q4_K, out_fmt: int = 4, split: int | None = None
+                   ) -> torch.Tensor | TcX:
+    """h[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for experts of one type (Q4_K, Q6_K, Q8_0) on tensor cores,
+    in one launch.
 
-    w_gate/w_up: uint8 [E, F, row_bytes]; x: `prepare_x(x)`; ids: int [n_sel] on the device; out: f32 [n_sel, F],
+    w_gate/w_up: uint8 [E, F, row_bytes]; x: `prepare_x(x, fmt=FORMATS[qtype])`; ids: int [n_sel] on the device;
+    out: f32 [n_sel, F],
     or a TcX of n_sel F (`empty_x(F, device, n_sel)`, F % 256 == 0) in format out_fmt to feed `moe_down_tc`.
     Returns out.
     """
@@ -451,13 +502,13 @@ def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.
         raise ValueError(f"a TcX h needs F % 256 == 0 and {n_sel} x {f} values, got F = {f}, xb {tuple(out.xb.shape)}")
     split = split or tc_split(f, nb, w_gate.device, n_sel)
     _check_split(split, nb, f"blocks of K = {256 * nb}")
-    wg, wu = _words(w_gate, 256 * nb), _words(w_up, 256 * nb)
+    wg, wu = _rows(w_gate, qtype, 256 * nb), _rows(w_up, qtype, 256 * nb)
     part, count = (_scratch(split * 2 * n_sel * f, n_sel * triton.cdiv(f, TC_BN), wg.device) if split > 1
                    else (wg, wg))
     h = out.xb if out_tc else out
     _tcgate_up_kernel[(triton.cdiv(f, TC_BN), n_sel, split)](
         wg, wu, x.xb, x.g, x.xs, ids, h, h, out.g if out_tc else h, out.xs if out_tc else h, part, count, f,
-        wg.stride(0), wu.stride(0), MAGIC, LO_NIB, HI_NIB, N_BLOCKS=nb, BN=TC_BN, SPLIT=split,
+        wg.stride(0), wu.stride(0), MAGIC, M1[qtype], M2[qtype], QTYPE=qtype, N_BLOCKS=nb, BN=TC_BN, SPLIT=split,
         ACT=ACTIVATIONS[act], OUT_FMT=out_fmt if out_tc else 0, num_warps=4, num_stages=2,
     )
     return out
@@ -477,7 +528,7 @@ def moe_down_tc(w_down: torch.Tensor, h: TcX, ids: torch.Tensor, weights: torch.
     stride_e = w_down.stride(0) // 4  # words
     part, count = _scratch(split * n, triton.cdiv(n, TC_BN), wd.device) if split > 1 else (out, out)
     _tcdown_kernel[(triton.cdiv(n, TC_BN), split)](
-        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, stride_e, MAGIC, LO_NIB, M2[qtype],
+        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, stride_e, MAGIC, M1[qtype], M2[qtype],
         QTYPE=qtype, N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2,
     )
     return out
