@@ -28,7 +28,7 @@ KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_k
            "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel",
            "tcmv6": "_tcmv_kernel", "tcdown6": "_tcdown_kernel",
            "tcmv8": "_tcmv_kernel", "tcgate_up8": "_tcgate_up_kernel", "tcdown8": "_tcdown_kernel"}
-# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core kernels, Q4_K (tc*6: Q6_K, tc*8: Q8_0; their own tile: 64 rows, 4 warps)
+# mv6 / down6: Q6_K; tc*: tcmatvec.py's tensor-core kernels (Q4_K; tc*6 Q6_K, tc*8 Q8_0; 64 rows, 4 warps)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
