@@ -82,7 +82,7 @@ for stage in "$@"; do
     tc:*)  # tensor-core kernels (tcmatvec.py): GPU tests, micro-benchmark vs the word/byte kernels, profile + tg128 A/B
       t=${stage#*:}
       timeout 300 python3 -m pytest -q -x tests/kernels/test_tcmatvec.py 2>&1 | tail -2 | tee -a "$LOG"
-      timeout 300 python3 benchmarks/bench_qmatvec.py --types q4_k,q6_k --kinds mv,gate_up,down,out --wtiles default \
+      timeout 300 python3 benchmarks/bench_qmatvec.py --types ${TC_TYPES:-q4_k,q6_k,q8_0} --kinds mv,gate_up,down,out --wtiles default \
         --json "$OUT/tc-qmatvec.json" 2>&1 | tee -a "$LOG"
       ab "$t" triton words triton-tc tc
       MOERUN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/engine/test_fast_decode.py -k "triton-tc" 2>&1 \

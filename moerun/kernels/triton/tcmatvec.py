@@ -1,36 +1,34 @@
-"""Q4_K matvec for batch-1 decode on tensor cores (Triton `tl.dot`: f16 inputs, float32 accumulation).
+"""Q4_K, Q6_K and Q8_0 products for batch-1 decode on tensor cores (Triton `tl.dot`: f16 inputs, float32
+accumulation).
 
-Why (benchmarks/NOTES.md 7e): the word kernels (wmatvec.py) spend ~5.5 instructions per weight (static sm_90
+Why (benchmarks/NOTES.md 7e): the word kernels (wmatvec.py) spend ~5.5-10 instructions per weight (static sm_90
 SASS), the byte kernels ~25, and a batch-1 product has no reuse for the tensor cores to exploit. But the
 tensor cores can take the multiply-adds off the ALUs anyway, if the weights reach them cheaply and exactly:
 
-- a Q4_K nibble becomes an f16 by one and-or of its 32-bit word: ``(w & 0x000F000F) | 0x64006400`` is the f16
-  pair (1024 + q, 1024 + q') of bytes 0 and 2 (mask 0x00F000F0: 1024 + 16 q, the high nibbles), and one HADD2
-  takes 1024 off both halves. Every value is an exact integer (q or 16 q), so the tensor cores' products are
-  exact and only the float32 accumulation rounds.
-- x enters as the MMA's other operand, block-diagonal: XB[256, 16] for one 256-weight block, where column 2c
-  holds x_hi of sub-block c and column 2c + 1 its x_lo (x = g (x_hi + x_lo), two f16 parts of ~22 bits together
-  and g a power of two per 32 weights, so neither overflows). One product Q[BN rows, 256] @ XB gives every row's
-  eight sub-block sums twice (hi and lo parts) in float32; the epilogue scales them by d sc (and 1/16 for the
-  high nibbles) and subtracts dmin m times the sub-block sums of x, per row, in float32.
+- quantized values become f16 by bit operations on their 32-bit words: ``(w & 0x000F000F) | 0x64006400`` is the
+  f16 pair (1024 + q, 1024 + q') of a Q4_K word's bytes 0 and 2 (mask 0x00F000F0: 1024 + 16 q, the high
+  nibbles); a Q6_K value adds its two qh bits by one more and-or; a Q8_0 byte pair is ``(w & 0x00FF00FF) ^
+  0x64806480`` (1024 + q + 128). One HADD2 per pair removes the offset. Every value is an exact integer, so the
+  tensor cores' products are exact and only the float32 accumulation rounds.
+- x enters as the MMA's other operand, block-diagonal: an f16 tile [K-tile, 16] per 256 (Q6_K: 128) weights whose
+  column 2c holds x_hi of scale sub-block c and column 2c + 1 its x_lo (x = g (x_hi + x_lo), two f16 parts of
+  ~22 bits together and g a power of two per 32 weights, so neither overflows). One product Q[64 rows, K-tile]
+  @ XB gives every row's sub-block sums (hi and lo parts) in float32; the epilogue scales them by the row's
+  sub-block scales (and, for Q4_K, subtracts dmin m times the sub-block sums of x), in float32.
 
-So a weight costs one and-or per pair, one HADD2 per pair, a shared-memory store and load per pair (Triton
-feeds decoded registers to the MMA through shared memory) and a share of the header work: ~2 instructions
-against 5.5 (benchmarks/sass_wmatvec.py --kinds tcmv).
+So a weight costs ~1-2.5 instructions of decoding, a shared-memory store and load per pair (Triton feeds decoded
+registers to the MMA through shared memory) and a share of the header work: 2.7-3.9 instructions per weight for
+Q4_K, 3.3-4.7 for Q8_0, 5.7-7.0 for Q6_K (`benchmarks/sass_wmatvec.py --kinds tcmv,tcgate_up,tcdown,...`).
 
-- `prepare_x`       x f32 [K] -> TcX(xb f16 [K/256, 256, 16], g f32 [K/32], xs f32 [K/32])
-- `qmatvec_tc`      out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix, x prepared
+- `prepare_x`       x f32 [K] -> TcX(xb f16 [K/256, 256, 16], g f32 [K/32], xs f32 [K/32]) in a type's layout
+- `qmatvec_tc`      out[M] = W[M, K] @ x[K] (+ residual[M]), x prepared
 - `moe_gate_up_tc`  h[i] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x), h written as f32 or prepared (TcX)
 - `moe_down_tc`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), h prepared
 
-Small products split K across programs (`tc_split`); each output's last program to finish sums the parts in a
-fixed order (bit-identical run to run).
-
-Column order inside a block: the decoder builds the [BN, 256] tile of one block as
-j = 8 w + 4 h + 2 s + p for qs word w (0..31), nibble h (0 low, 1 high), byte pair s (0: bytes 0 and 2, 1:
-bytes 1 and 3) and half p (0: byte s, 1: byte s + 2); Q4_K's qs word w = 8 c + t, byte k, nibble h holds weight
-64 c + 32 h + 4 t + k (sub-block 2 c + h), so tile column j is weight 64 (w // 8) + 32 h + 4 (w % 8) + s + 2 p.
-`prepare_x` writes XB in that order. No allocation inside the kernels, no host sync: capturable in a CUDA graph.
+Small products split K (down: its experts) across programs (`tc_split`); each output's last program to finish
+sums the parts in a fixed order (bit-identical run to run). The tile row order of each decoder (and so the
+layout `prepare_x` writes, `_tc_slot`) is given at its block function. No allocation inside the kernels, no host
+sync: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -155,7 +153,11 @@ def _xb_tile(xb_ptr, kb):
 
 @triton.jit
 def _tc_block(acc, bp, ok, xb, g_ptr, xs_ptr, kb, scale, magic, lo_nib, hi_nib, BN: tl.constexpr):
-    """acc [BN, 16] += one Q4_K block of BN rows (bp: int32 pointers [BN] to each row's block) times x's block kb
+    """Tile rows (`_q4k_tile`): j = 8 w + 4 h + 2 s + p for qs word w (0..31), nibble h (0 low, 1 high), byte pair s
+    (0: bytes 0 and 2, 1: bytes 1 and 3) and half p (0: byte s, 1: byte s + 2); Q4_K's qs word w = 8 c + t, byte k,
+    nibble h holds weight 64 c + 32 h + 4 t + k (sub-block 2 c + h).
+
+    acc [BN, 16] += one Q4_K block of BN rows (bp: int32 pointers [BN] to each row's block) times x's block kb
     (xb its tile, g/xs its TcX scales and sums), times `scale` (a routing weight, or 1). sum(acc, axis=1) is
     then the rows' dot products: column 2c + i holds sub-block c's sum over x's part i scaled by d sc_c, and
     column 2c also minus dmin m_c times the sub-block's sum of x."""
