@@ -23,8 +23,8 @@ from moerun.kernels.triton import wmatvec as wk
 from moerun.quant import random_blocks
 
 N, F, E, TOPK = 2048, 1024, 64, 8
-KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmv6_kernel",
-           "down6": "_wdown6_kernel",
+KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmvx_kernel",
+           "down6": "_wdownx_kernel",
            "tcmv": "_tcmv_kernel", "tcgate_up": "_tcgate_up_kernel", "tcdown": "_tcdown_kernel",
            "tcmv6": "_tcmv_kernel", "tcdown6": "_tcdown_kernel",
            "tcmv8": "_tcmv_kernel", "tcgate_up8": "_tcgate_up_kernel", "tcdown8": "_tcdown_kernel"}
