@@ -31,7 +31,10 @@ class TritonOps:
         self.words = words
         self.tc = tc
         self._tc_x: dict[tuple, tc.TcX] = {}  # prepared x per (K, format, device); h per ("h", n_sel, F, device)
-        self._tc_norm: dict[tuple, tc.TcX] = {}  # rms_norm outputs it prepared, per (data_ptr, numel)
+        # preparations written by the producers of x (rms_norm, attention), per (data_ptr, numel, layout); the
+        # layouts each producer's output is read in, learned from the products that had to prepare it themselves
+        self._tc_made: dict[tuple, tc.TcX] = {}
+        self._tc_want: dict[tuple, list[int]] = {}
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -65,16 +68,34 @@ class TritonOps:
         return self.perm(qtype_down, f, "down")
 
     def _prepared(self, x: torch.Tensor, fmt: int = 4) -> tc.TcX:
-        """x prepared for the tensor-core kernels: what rms_norm prepared when it wrote x, else one more launch
-        into a buffer per size (allocated on first use: the warm-up). In the decode step only rms_norm writes
-        the buffers it prepares (xn), so its preparation is current whenever a product reads them."""
-        done = self._tc_norm.get((x.data_ptr(), x.numel())) if fmt == 4 else None
-        if done is not None:
-            return done
+        """x prepared for the tensor-core kernels in layout `fmt`: what x's producer (rms_norm, attention) wrote
+        with it, else one more launch into a buffer per size (allocated on first use: the warm-up), and the
+        producer learns to write that layout from its next call on (the decode step's first, eager, step).
+        In the decode step only those producers write the buffers they prepare (xn, attn), so a preparation
+        they made is current whenever a product reads it."""
+        made = self._tc_made.get((x.data_ptr(), x.numel(), fmt))
+        if made is not None:
+            return made
+        want = self._tc_want.setdefault((x.data_ptr(), x.numel()), [])
+        if fmt not in want:
+            want.append(fmt)
         key = (x.shape[-1], fmt, x.device)
         if key not in self._tc_x:
             self._tc_x[key] = tc.empty_x(x.shape[-1], x.device)
         return tc.prepare_x(x, self._tc_x[key], fmt)
+
+    def _tc_outputs(self, out: torch.Tensor, default: list[int]) -> list[tuple[int, tc.TcX]]:
+        """The (layout, buffer) pairs a producer writing `out` prepares: the layouts its readers asked for (at most
+        two; `default` before any asked), registered so that the readers find them."""
+        # the defaults join the list on the first call, so a layout once written stays written (never stale)
+        fmts = self._tc_want.setdefault((out.data_ptr(), out.numel()), list(default))[:2]
+        outs = []
+        for f in fmts:
+            key = (out.data_ptr(), out.numel(), f)
+            if key not in self._tc_made:
+                self._tc_made[key] = tc.empty_x(out.numel(), out.device)
+            outs.append((f, self._tc_made[key]))
+        return outs
 
     def _h_tc(self, n_sel: int, f: int, device: torch.device) -> tc.TcX:
         key = ("h", n_sel, f, device)
@@ -140,10 +161,8 @@ class TritonOps:
         n = x.shape[-1]
         if not (self.tc and x.dim() == 1 and n >= 256 and n & (n - 1) == 0):
             return dk.rms_norm(x, w, eps, out, out_perm)
-        key = (out.data_ptr(), out.numel())  # prepared as it is written, for the tensor-core products that follow
-        if key not in self._tc_norm:
-            self._tc_norm[key] = tc.empty_x(n, out.device)
-        return dk.rms_norm(x, w, eps, out, out_perm, out_tc=self._tc_norm[key])
+        # prepared as it is written, for the tensor-core products that follow (Q4_K's layout until others ask)
+        return dk.rms_norm(x, w, eps, out, out_perm, out_tc=self._tc_outputs(out, [4]))
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -177,7 +196,9 @@ class TritonOps:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
             splits = dk.attention_splits(k_cache.shape[0], H, sms)
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, q.device)
-        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, out_perm=out_perm)
+        tc_ok = self.tc and (H * Dv) % 256 == 0 and Dv >= 32 and Dv & (Dv - 1) == 0
+        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, out_perm=out_perm,
+                            out_tc=self._tc_outputs(out, []) if tc_ok else None)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor) -> None:
         key = (logits.shape[-1], logits.device)

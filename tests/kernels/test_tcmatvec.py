@@ -114,10 +114,23 @@ def test_triton_ops_dispatch(device, rng) -> None:
     # a normed x: rms_norm prepares it as it writes it, and the product reads that preparation (no launch)
     xn, nw = torch.empty(512, device=device), vec(gen, 512).to(device)
     ops.rms_norm(x.to(device), nw, 1e-6, xn)
-    assert (xn.data_ptr(), 512) in ops._tc_norm
+    assert (xn.data_ptr(), 512, 4) in ops._tc_made
     got = ops.qmatvec(raw, Q4_K, xn, torch.empty(40, device=device))
     assert torch.equal(got, tc.qmatvec_tc(raw, tc.prepare_x(xn), torch.empty(40, device=device)))
     assert len(ops._tc_x) == 1  # no second preparation buffer
+    # a Q8_0 product of xn prepares it once itself, and from the next rms_norm on gets it from there
+    raw8, _ = quant_weights(Q8_0, (40,), 512, gen, device)
+    want8 = tc.qmatvec_tc(raw8, tc.prepare_x(xn, fmt=8), torch.empty(40, device=device), qtype=Q8_0)
+    assert torch.equal(ops.qmatvec(raw8, Q8_0, xn, torch.empty(40, device=device)), want8)
+    assert ops._tc_want[(xn.data_ptr(), 512)] == [4, 8] and (xn.data_ptr(), 512, 8) not in ops._tc_made
+    x2 = vec(gen, 512).to(device)  # the next step: new values, both layouts written by rms_norm
+    ops.rms_norm(x2, nw, 1e-6, xn)
+    assert (xn.data_ptr(), 512, 8) in ops._tc_made
+    assert torch.equal(ops.qmatvec(raw8, Q8_0, xn, torch.empty(40, device=device)),
+                       tc.qmatvec_tc(raw8, tc.prepare_x(xn, fmt=8), torch.empty(40, device=device), qtype=Q8_0))
+    assert torch.equal(ops.qmatvec(raw, Q4_K, xn, torch.empty(40, device=device)),
+                       tc.qmatvec_tc(raw, tc.prepare_x(xn), torch.empty(40, device=device)))
+    assert len(ops._tc_x) == 2
 
 
 @pytest.mark.parametrize("split", [None, 1, 2])
@@ -320,3 +333,22 @@ def test_ffn_tc_other_types(qtype, device, rng) -> None:
     ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(2))
     bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(2))
     check_bound(out, ref, bound, seed, f"{qtype} tensor-core gate/up -> down", tol=1e-5)
+
+
+def test_attention_writes_prepared_x(device, rng) -> None:
+    """The attention reduce prepares its output in up to two layouts, as prepare_x would, bit for bit."""
+    from moerun.kernels.triton import decode_ops as dk
+
+    gen, seed = rng
+    h, hkv, d, n_ctx = 4, 2, 64, 40
+    q = vec(gen, h, d).to(device)
+    kc, vc = vec(gen, n_ctx, hkv, d).to(device), vec(gen, n_ctx, hkv, d).to(device)
+    kv_len = torch.tensor([29], device=device)
+    scratch = dk.attention_scratch(h, d, dk.attention_splits(n_ctx, h, 4), device)
+    out = torch.empty(h, d, device=device)
+    bufs = [(4, tc.empty_x(h * d, device)), (8, tc.empty_x(h * d, device))]
+    dk.attention_decode(q, kc, vc, kv_len, 0.125, 0, out, scratch, out_tc=bufs)
+    for fmt, xt in bufs:
+        want = tc.prepare_x(out.reshape(-1), fmt=fmt)
+        for a, b in zip(xt, want, strict=True):
+            assert torch.equal(a, b), f"layout {fmt} (seed {seed})"
