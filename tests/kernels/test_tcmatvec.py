@@ -265,74 +265,46 @@ def test_prepare_x_formats(fmt, device, rng) -> None:
     assert int((p.xb != 0).sum()) <= 2 * 512  # only the diagonal pairs
 
 
-@pytest.mark.parametrize("m,n_blk,res,split", [(1, 2, False, None), (37, 2, True, 2), (70, 4, False, 1)])
-def test_qmatvec_tc_q6k(m, n_blk, res, split, device, rng) -> None:
-    """Q6_K: odd blocks start 2 bytes off a word (funnel-shifted words), n_blk even."""
+@pytest.mark.parametrize("qtype,m,n_blk,res,split", [
+    (Q6_K, 1, 2, False, None), (Q6_K, 37, 2, True, 2), (Q6_K, 70, 4, False, 1),
+    (Q8_0, 1, 1, False, None), (Q8_0, 37, 3, True, 3), (Q8_0, 70, 2, False, 1)])
+def test_qmatvec_tc_other_types(qtype, m, n_blk, res, split, device, rng) -> None:
+    """Q6_K (n_blk even): odd blocks start 2 bytes off a word; Q8_0: 34-byte blocks read as 68-word groups of 8,
+    every other block's quads funnel-shifted."""
     gen, seed = rng
     k = 256 * n_blk
-    raw, dense = quant_weights(Q6_K, (m,), k, gen, device)
+    raw, dense = quant_weights(qtype, (m,), k, gen, device)
     x = vec(gen, k)
     x[5:9] *= 300.0
+    x[40:45] *= 1e4
     out, residual, ref, bound = matvec_case(dense, x, res, gen, device)  # out aliases residual if res
-    tc.qmatvec_tc(raw, tc.prepare_x(x.to(device), fmt=6), out, residual, qtype=Q6_K, split=split)
-    check_bound(out, ref, bound, seed, f"Q6_K tensor-core matvec M={m} K={k} split={split}", tol=TOL)
+    tc.qmatvec_tc(raw, tc.prepare_x(x.to(device), fmt=tc.FORMATS[qtype]), out, residual, qtype=qtype, split=split)
+    check_bound(out, ref, bound, seed, f"{qtype} tensor-core matvec M={m} K={k} split={split}", tol=TOL)
 
 
-@pytest.mark.parametrize("split", [None, 3])
-def test_q6k_down_from_gate_up(split, device, rng) -> None:
-    """Q4_K gate/up writing h in format 6, then a Q6_K down product (a Q4_K_M file's odd layers)."""
+@pytest.mark.parametrize("qgu,qd,split", [(Q4_K, Q6_K, None), (Q4_K, Q6_K, 3), (Q8_0, Q8_0, None),
+                                         (Q6_K, Q6_K, 1), (Q4_K, Q8_0, 3)])
+def test_ffn_tc_other_types(qgu, qd, split, device, rng) -> None:
+    """Gate/up writing h prepared in the down type's layout, then that down product (Q4_K gate/up with a Q6_K down:
+    a Q4_K_M file's odd layers); split: experts per down program."""
     gen, seed = rng
-    e, f, n = 5, 512, 256
-    wg, dg = quant_weights(Q4_K, (e, f), n, gen, device)
-    wu, du = quant_weights(Q4_K, (e, f), n, gen, device)
-    wd, dd = quant_weights(Q6_K, (e, n), f, gen, device)
+    e, f, n, n_sel = 5, 512, 512, 3
+    wg, dg = quant_weights(qgu, (e, f), n, gen, device)
+    wu, du = quant_weights(qgu, (e, f), n, gen, device)
+    wd, dd = quant_weights(qd, (e, n), f, gen, device)
     x, res = vec(gen, n), vec(gen, n)
     ids, wts = torch.tensor([3, 0, 4], dtype=torch.int32), torch.tensor([0.5, 0.3, 0.2])
-    h = tc.moe_gate_up_tc(wg, wu, tc.prepare_x(x.to(device)), ids.to(device), tc.empty_x(f, device, 3), out_fmt=6)
-    href = ACTIVATIONS["silu"](dg[ids.long()] @ x.double()) * (du[ids.long()] @ x.double())  # [3, F]
-    got_h = _unprepare(h, 6).view(3, f)
+    fmt = tc.FORMATS[qd]
+    h = tc.moe_gate_up_tc(wg, wu, tc.prepare_x(x.to(device), fmt=tc.FORMATS[qgu]), ids.to(device),
+                          tc.empty_x(f, device, n_sel), qtype=qgu, out_fmt=fmt)
+    href = ACTIVATIONS["silu"](dg[ids.long()] @ x.double()) * (du[ids.long()] @ x.double())  # [n_sel, F]
+    got_h = _unprepare(h, fmt).view(n_sel, f)
     assert ((got_h - href).abs() <= 1e-5 * href.abs().amax(1, keepdim=True)).all(), f"h (seed {seed})"
     out = tc.moe_down_tc(wd, h, ids.to(device), wts.to(device), res.to(device), torch.empty(n, device=device),
-                         qtype=Q6_K, split=split)
-    ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(3))
-    bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(3))
-    check_bound(out, ref, bound, seed, f"Q6_K tensor-core down split={split}", tol=1e-5)
-
-
-@pytest.mark.parametrize("m,n_blk,res,split", [(1, 1, False, None), (37, 3, True, 3), (70, 2, False, 1)])
-def test_qmatvec_tc_q8_0(m, n_blk, res, split, device, rng) -> None:
-    """Q8_0: 34-byte blocks read as 68-word groups of 8, every other block's quads funnel-shifted."""
-    gen, seed = rng
-    k = 256 * n_blk
-    raw, dense = quant_weights(Q8_0, (m,), k, gen, device)
-    x = vec(gen, k)
-    x[40:45] *= 1e4
-    out, residual, ref, bound = matvec_case(dense, x, res, gen, device)
-    tc.qmatvec_tc(raw, tc.prepare_x(x.to(device), fmt=8), out, residual, qtype=Q8_0, split=split)
-    check_bound(out, ref, bound, seed, f"Q8_0 tensor-core matvec M={m} K={k} split={split}", tol=TOL)
-
-
-@pytest.mark.parametrize("qtype", [Q8_0, Q6_K], ids=["Q8_0", "Q6_K"])
-def test_ffn_tc_other_types(qtype, device, rng) -> None:
-    """Gate/up and down of one type besides Q4_K: h handed over prepared in that type's layout."""
-    gen, seed = rng
-    e, f, n = 4, 512, 512
-    wg, dg = quant_weights(qtype, (e, f), n, gen, device)
-    wu, du = quant_weights(qtype, (e, f), n, gen, device)
-    wd, dd = quant_weights(qtype, (e, n), f, gen, device)
-    x, res = vec(gen, n), vec(gen, n)
-    ids, wts = torch.tensor([1, 3], dtype=torch.int32), torch.tensor([0.6, 0.4])
-    fmt = tc.FORMATS[qtype]
-    h = tc.moe_gate_up_tc(wg, wu, tc.prepare_x(x.to(device), fmt=fmt), ids.to(device), tc.empty_x(f, device, 2),
-                          qtype=qtype, out_fmt=fmt)
-    href = ACTIVATIONS["silu"](dg[ids.long()] @ x.double()) * (du[ids.long()] @ x.double())
-    got_h = _unprepare(h, fmt).view(2, f)
-    assert ((got_h - href).abs() <= 1e-5 * href.abs().amax(1, keepdim=True)).all(), f"h (seed {seed})"
-    out = tc.moe_down_tc(wd, h, ids.to(device), wts.to(device), res.to(device), torch.empty(n, device=device),
-                         qtype=qtype)
-    ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(2))
-    bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(2))
-    check_bound(out, ref, bound, seed, f"{qtype} tensor-core gate/up -> down", tol=1e-5)
+                         qtype=qd, split=split)
+    ref = res.double() + sum(wts[i].double() * (dd[ids[i]] @ href[i]) for i in range(n_sel))
+    bound = res.double().abs() + sum(wts[i].double() * (dd[ids[i]].abs() @ href[i].abs()) for i in range(n_sel))
+    check_bound(out, ref, bound, seed, f"{qgu} gate/up -> {qd} down on tensor cores, split={split}", tol=1e-5)
 
 
 def test_attention_writes_prepared_x(device, rng) -> None:

@@ -286,6 +286,14 @@ def _row_words(QTYPE: tl.constexpr, N_BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _grid_rows(M, BN: tl.constexpr):
+    """For a grid (row blocks, splits): the row block, the split, its BN rows and which of them exist (< M)."""
+    blk = tl.program_id(0)
+    row = blk * BN + tl.arange(0, BN)
+    return blk, tl.program_id(1), row, row < M
+
+
+@triton.jit
 def _split_sum(v, part_ptr, count_ptr, cnt, sp, stride, off, ok, SPLIT: tl.constexpr):
     """K split epilogue: store this program's part v [R] at part[sp * stride + off]; the last of the SPLIT programs
     sharing counter `cnt` to arrive (an acq_rel counter after a CTA barrier; it resets the counter) gets
@@ -311,10 +319,7 @@ def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count
     SPLIT > 1 (`_split_sum`)."""
     SW: tl.constexpr = _row_words(QTYPE, N_BLOCKS)
     NBS: tl.constexpr = N_BLOCKS // SPLIT
-    blk = tl.program_id(0)
-    sp = tl.program_id(1)
-    row = blk * BN + tl.arange(0, BN)
-    ok = row < M
+    blk, sp, row, ok = _grid_rows(M, BN)
     wp = w_ptr + tl.minimum(row, M - 1).to(tl.int64) * SW  # rows past M read the last one (Q6_K loads are unmasked)
     acc = tl.zeros([BN, 16], dtype=tl.float32)
     for i in range(NBS):
@@ -384,10 +389,7 @@ def _tcdown_kernel(w_ptr, hb_ptr, hg_ptr, hs_ptr, ids_ptr, wts_ptr, res_ptr, out
     (F = 256 N_BLOCKS); res/out: f32 [N]; part: f32 [SPLIT, N] and count: int32 [cdiv(N, BN)] when SPLIT > 1."""
     SW: tl.constexpr = _row_words(QTYPE, N_BLOCKS)
     NES: tl.constexpr = N_SEL // SPLIT
-    blk = tl.program_id(0)
-    sp = tl.program_id(1)
-    row = blk * BN + tl.arange(0, BN)
-    ok = row < N
+    blk, sp, row, ok = _grid_rows(N, BN)
     acc = tl.zeros([BN, 16], dtype=tl.float32)
     for i in range(NES):
         e = sp * NES + i
