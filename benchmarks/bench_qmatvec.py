@@ -129,9 +129,9 @@ class Case:
             xt = TC.prepare_x(self.x, fmt=fmt)
             return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, qtype=qt, split=split) for w in self.ws]
         if self.kind == "gate_up":
-            xt = TC.prepare_x(self.x)
+            xt = TC.prepare_x(self.x, fmt=fmt)
             ht = TC.empty_x(self.m, self.x.device, N_SEL)
-            return [lambda w=w, w2=w2, i=i: TC.moe_gate_up_tc(w, w2, xt, i, ht, split=split)
+            return [lambda w=w, w2=w2, i=i: TC.moe_gate_up_tc(w, w2, xt, i, ht, qtype=qt, out_fmt=fmt, split=split)
                     for w, w2, i in self.launches]
         ht = TC.prepare_x(self.x.reshape(-1), fmt=fmt)
         return [lambda w=w, i=i: TC.moe_down_tc(w, ht, i, self.wts, self.res, self.out, qtype=qt, split=split)
@@ -147,7 +147,7 @@ class Case:
         elif self.kind == "gate_up":
             w, w2, i = self.launches[0]
             a = Q.moe_gate_up(w, w2, qt, qt, self.x, i, torch.empty_like(self.out), "silu")
-            b = TC.moe_gate_up_tc(w, w2, TC.prepare_x(self.x), i, torch.empty_like(self.out))
+            b = TC.moe_gate_up_tc(w, w2, TC.prepare_x(self.x, fmt=fmt), i, torch.empty_like(self.out), qtype=qt)
         else:
             w, _, i = self.launches[0]
             a = Q.moe_down(w, qt, self.x, i, self.wts, self.res, torch.empty_like(self.out))
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     ap.add_argument("--tc-splits", default="default,1,2,4,8",
-                    help="K (down: expert) splits of the tensor-core Q4_K kernels (tcmatvec.py) to time ('' = none)")
+                    help="K (down: expert) splits of the tensor-core kernels (tcmatvec.py) to time ('' = none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -250,8 +250,7 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
-            has_tc = TC.supports_tc(qt, k) and (qt == TC.Q4_K or case.kind != "gate_up")
-            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if has_tc else []
+            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if TC.supports_tc(qt, k) else []
             if tc_splits:
                 row["tc_rel_err_vs_bytes"] = case.tc_check()
                 xt0 = TC.prepare_x(case.x.reshape(-1), fmt=TC.FORMATS[qt])

@@ -8,7 +8,7 @@
 #   qgemmtests (GEMM kernel tests only), words:TYPE (word-kernel tests, micro-benchmark, profile and tg128 of
 #   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR),
-#   tc:TYPE (the tensor-core Q4_K kernels: tests, micro-benchmark, profile and tg128 against the word kernels).
+#   tc:TYPE (the tensor-core kernels: tests, micro-benchmark, profile and tg128 against the word kernels).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
 set -uo pipefail

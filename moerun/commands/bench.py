@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from moerun.errors import MoerunError
+from moerun.kernels.ops import OPS_NAMES
 
 NAME = "bench"
 HELP = "measure prompt (ppN) and generation (tgN) speed like llama-bench, with GB/s and % of the roofline"
@@ -45,10 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
                         "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
                         "on CUDA, reference on CPU")
-    p.add_argument("--ops", choices=["triton", "triton-bytes", "triton-tc", "torch"], default=None,
+    p.add_argument("--ops", choices=[*OPS_NAMES, "torch"], default=None,
                    help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the word kernels), "
-                        "triton-bytes (every type on the byte-decoding matvecs), triton-tc (Q4_K matvecs on "
-                        "tensor cores, an experiment), torch (plain-torch twins)")
+                        "triton-bytes (every type on the byte-decoding matvecs), triton-tc (Q4_K, Q6_K and Q8_0 "
+                        "products on tensor cores, an experiment), torch (plain-torch twins)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")

@@ -11,7 +11,8 @@ from moerun.kernels.torch_ops import TorchOps
 def make_ops(name: str) -> Any:
     """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel);
     "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs);
-    "triton-tc" -> TritonOps with Q4_K matvecs on the tensor-core kernel (tcmatvec.py, an experiment)."""
+    "triton-tc" -> TritonOps with Q4_K, Q6_K and Q8_0 products on the tensor-core kernels (tcmatvec.py, an
+    experiment)."""
     if name == "torch":
         return TorchOps()
     if name in OPS_NAMES:

@@ -54,7 +54,8 @@ class TorchOps:
 
     def h_layout(self, qtype_gate: int, qtype_up: int, qtype_down: int, f: int) -> bool | str:
         """How an FFN's gate/up product hands h [n_sel, F] to its down product: False natural order, True
-        permuted (the down product's word kernel reads it so), "tc4" / "tc6" prepared for tensor cores (TritonOps)."""
+        permuted (the down product's word kernel reads it so), "tcN" prepared for tensor cores in TcX layout N
+        (TritonOps)."""
         return self.perm(qtype_down, f, "down")
 
     @staticmethod

@@ -22,8 +22,9 @@ class TritonOps:
 
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
-    tc: Q4_K, Q6_K and Q8_0 products run on tcmatvec's tensor-core kernels instead: x prepared by RMSNorm (Q4_K's
-    layout) or one more launch, h handed from gate/up to down prepared (an experiment: benchmarks/NOTES.md 7e)."""
+    tc: Q4_K, Q6_K and Q8_0 products run on tcmatvec's tensor-core kernels instead: x prepared by its producer
+    (RMSNorm, attention) in the layouts its readers asked for on the first step, or else by one more launch; h
+    handed from gate/up to down prepared (an experiment: benchmarks/NOTES.md 7e)."""
 
     name = "triton"
 
@@ -61,8 +62,8 @@ class TritonOps:
         return self.words and wk.supports(qtype, k, kind)
 
     def h_layout(self, qtype_gate: int, qtype_up: int, qtype_down: int, f: int) -> bool | str:
-        """As TorchOps', or "tc4" / "tc6": gate/up writes h prepared (in the down type's TcX format) for a
-        tensor-core down product."""
+        """As TorchOps', or "tcN": gate/up writes h prepared (in the down type's TcX layout N) for a tensor-core
+        down product."""
         if self.tc and qtype_gate == qtype_up and qtype_gate in tc.FORMATS and tc.supports_tc(qtype_down, f):
             return f"tc{tc.FORMATS[qtype_down]}"
         return self.perm(qtype_down, f, "down")
@@ -116,7 +117,7 @@ class TritonOps:
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool | str = False) -> torch.Tensor:
-        """perm_out: `h_layout`'s answer ("tc4" / "tc6": h goes to this object's prepared buffer for `moe_down`)."""
+        """perm_out: `h_layout`'s answer ("tcN": h goes to this object's prepared buffer for `moe_down`)."""
         tc_ok = self.tc and qtype_gate == qtype_up and tc.supports_tc(qtype_gate, x.shape[-1])
         h_tc = isinstance(perm_out, str) and perm_out.startswith("tc")
         if h_tc or (tc_ok and not perm_out):

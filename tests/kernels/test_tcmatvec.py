@@ -225,12 +225,12 @@ def test_rms_norm_writes_prepared_x(device, rng) -> None:
     gen, seed = rng
     x, w = vec(gen, 512).to(device), vec(gen, 512).to(device)
     out, xt = torch.empty(512, device=device), tc.empty_x(512, device)
-    dk.rms_norm(x, w, 1e-6, out, out_tc=xt)
+    dk.rms_norm(x, w, 1e-6, out, out_tc=[(4, xt)])
     want = tc.prepare_x(out)
     for a, b in zip(xt, want, strict=True):
         assert torch.equal(a, b), f"seed {seed}"
     with pytest.raises(ValueError, match="out_tc needs"):
-        dk.rms_norm(x[:384], w[:384], 1e-6, out[:384], out_tc=xt)
+        dk.rms_norm(x[:384], w[:384], 1e-6, out[:384], out_tc=[(4, xt)])
 
 
 def _unprepare(x: tc.TcX, fmt: int) -> torch.Tensor:

@@ -65,12 +65,12 @@ def _tc_args(out_tc: list[tuple[int, TcX]], dummy: torch.Tensor, n_max: int = 2)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None, out_tc: TcX | list[tuple[int, TcX]] | None = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_tc: list[tuple[int, TcX]] | None = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
     out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_tc (one row,
-    N a power of two >= 256; buffers from tcmatvec.empty_x): the result prepared for the tensor-core kernels, in
-    Q4_K's layout (a TcX) or in up to two given layouts ([(layout, TcX), ...])."""
+    N a power of two >= 256; up to two (layout, TcX) with buffers from tcmatvec.empty_x): the result prepared for
+    the tensor-core kernels in those layouts."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
@@ -78,8 +78,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
     if out_tc and (rows != 1 or block != n or n < 256):
         raise ValueError(f"out_tc needs one row of a power of two N >= 256, got {rows} rows of N = {n}")
-    tc_list = [(4, out_tc)] if isinstance(out_tc, TcX) else list(out_tc or [])
-    tc_bufs, tc_kw = _tc_args(tc_list, out)
+    tc_bufs, tc_kw = _tc_args(list(out_tc or []), out)
     _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *tc_bufs, float(eps), n, BLOCK=block,
                               PERM=out_perm is not None, **tc_kw, num_warps=8 if block >= 4096 else 4)
     return out

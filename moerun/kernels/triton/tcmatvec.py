@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, sm_count
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, GEOMETRY, _act, sm_count
 from moerun.kernels.triton.wmatvec import _scale_min, _words
 
 Q8_0, Q4_K, Q6_K = 8, 12, 14
@@ -314,7 +314,7 @@ def _tcmv_kernel(w_ptr, xb_ptr, g_ptr, xs_ptr, res_ptr, out_ptr, part_ptr, count
                  QTYPE: tl.constexpr, N_BLOCKS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                  HAS_RES: tl.constexpr):
     """Grid (cdiv(M, BN), SPLIT): program (i, s) takes rows i BN .. + BN over blocks s NB/SPLIT .. (s + 1) NB/SPLIT.
-    w: int32 [M, words per row] (Q4_K: 36 N_BLOCKS; Q6_K: 105 N_BLOCKS / 2, N_BLOCKS even); xb/g/xs: `TcX` in the
+    w: int32 [M, `_row_words`] (Q6_K: N_BLOCKS even); xb/g/xs: `TcX` in the
     type's format; res/out: f32 [M]; part: f32 [SPLIT, M] and count: int32 [cdiv(M, BN)] (zeros; left zero) when
     SPLIT > 1 (`_split_sum`)."""
     SW: tl.constexpr = _row_words(QTYPE, N_BLOCKS)
@@ -409,7 +409,7 @@ def _tcdown_kernel(w_ptr, hb_ptr, hg_ptr, hs_ptr, ids_ptr, wts_ptr, res_ptr, out
 
 
 def prepare_x(x: torch.Tensor, out: TcX | None = None, fmt: int = 4) -> TcX:
-    """x f32 [K] (K % 256 == 0, natural order) -> TcX of format `fmt` (4: for Q4_K products, 6: Q6_K) for the
+    """x f32 [K] (K % 256 == 0, natural order) -> TcX of format `fmt` (FORMATS: 4 Q4_K, 6 Q6_K, 8 Q8_0) for the
     tensor-core kernels (into `out`'s buffers if given, which must come from `empty_x`)."""
     k = x.shape[0]
     if x.dim() != 1 or k % 256 or x.dtype != torch.float32:
@@ -427,16 +427,14 @@ def supports_tc(qtype: int, k: int) -> bool:
     return qtype in FORMATS and k % (512 if qtype == Q6_K else 256) == 0
 
 
-ROW_BYTES = {Q4_K: 144, Q6_K: 210, Q8_0: 272}  # bytes per 256 weights
-
-
 def _rows(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """int32 view of Q4_K / Q6_K / Q8_0 rows (uint8 [..., row_bytes], contiguous, 4-byte aligned)."""
     if not supports_tc(qtype, k):
         raise ValueError(f"no tensor-core kernel for GGML type {qtype} at K = {k}")
     if qtype == Q4_K:
         return _words(w, k)
-    rb = ROW_BYTES[qtype] * (k // 256)
+    bs, ts, _ = GEOMETRY[qtype]
+    rb = k // bs * ts
     if w.shape[-1] != rb or not w.is_contiguous() or w.data_ptr() % 4:
         raise ValueError(f"GGML type {qtype} rows must be contiguous {rb}-byte rows from a 4-byte aligned start, "
                          f"got shape {tuple(w.shape)} strides {w.stride()}")
@@ -472,7 +470,7 @@ def _check_split(split: int, n: int, what: str) -> None:
 
 def qmatvec_tc(w: torch.Tensor, x: TcX, out: torch.Tensor, residual: torch.Tensor | None = None,
                *, qtype: int = Q4_K, split: int | None = None) -> torch.Tensor:
-    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K or Q6_K matrix on tensor cores.
+    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K, Q6_K or Q8_0 matrix on tensor cores.
 
     w: uint8 [M, row_bytes] (rows contiguous); x: `prepare_x(x, fmt=FORMATS[qtype])`; out/residual: f32 [M] (out
     may be residual); split: K splits (a power of two dividing K / 256; default `tc_split`). Returns out.
@@ -496,8 +494,8 @@ def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.
     in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: `prepare_x(x, fmt=FORMATS[qtype])`; ids: int [n_sel] on the device;
-    out: f32 [n_sel, F],
-    or a TcX of n_sel F (`empty_x(F, device, n_sel)`, F % 256 == 0) in format out_fmt to feed `moe_down_tc`.
+    out: f32 [n_sel, F], or a TcX of n_sel F (`empty_x(F, device, n_sel)`, F % 256 == 0) in format out_fmt to
+    feed `moe_down_tc`.
     Returns out.
     """
     f, nb, n_sel = w_gate.shape[1], x.xb.shape[0], ids.shape[0]
@@ -520,7 +518,7 @@ def moe_gate_up_tc(w_gate: torch.Tensor, w_up: torch.Tensor, x: TcX, ids: torch.
 
 def moe_down_tc(w_down: torch.Tensor, h: TcX, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                 out: torch.Tensor, *, qtype: int = Q4_K, split: int | None = None) -> torch.Tensor:
-    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K or Q6_K experts on tensor cores,
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K, Q6_K or Q8_0 experts on tensor cores,
     summed in order. w_down: uint8 [E, N, row_bytes]; h: TcX of n_sel F in the type's format (`moe_gate_up_tc`'s);
     ids: int [n_sel]; weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual); split: experts per program
     = n_sel / split (default `tc_split` over the experts). Returns out."""
@@ -529,10 +527,9 @@ def moe_down_tc(w_down: torch.Tensor, h: TcX, ids: torch.Tensor, weights: torch.
     split = split or tc_split(n, n_sel, w_down.device)
     _check_split(split, n_sel, "selected experts")
     wd = _rows(w_down, qtype, 256 * nb)
-    stride_e = w_down.stride(0) // 4  # words
     part, count = _scratch(split * n, triton.cdiv(n, TC_BN), wd.device) if split > 1 else (out, out)
     _tcdown_kernel[(triton.cdiv(n, TC_BN), split)](
-        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, stride_e, MAGIC, M1[qtype], M2[qtype],
+        wd, h.xb, h.g, h.xs, ids, weights, residual, out, part, count, n, wd.stride(0), MAGIC, M1[qtype], M2[qtype],
         QTYPE=qtype, N_BLOCKS=nb, N_SEL=n_sel, BN=TC_BN, SPLIT=split, num_warps=4, num_stages=2,
     )
     return out
