@@ -46,6 +46,8 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "experts dequant": {"experts": "dequant"},
     "dense dequant": {"dense": "dequant"},
     "dense fused": {"dense": "fused"},
+    "dense cached": {"dense": "cached"},
+    "large moe tiles": {"tiles": {"gate_up": fp.TILES["gate_up"], "down": fp.TILES["down"]}},  # no MOE_TILES_BY_ROWS
     "moe q8 words": {"tiles": {k: fp.TILES[k]._replace(q8_words=True) for k in ("gate_up", "down")}},
     "swap moe 128x64 q8 words": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4, swap=True, q8_words=True)
                                            for k in ("gate_up", "down")}},

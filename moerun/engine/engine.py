@@ -232,13 +232,15 @@ class Engine:
         return {name: path(t) for name, t in sorted(entries.items())}
 
     def prefill_path(self) -> str:
-        """How prompts run: "torch-dequant", or "triton-gemm (bf16 inputs|float32[, graphs <= N])" where
-        first chunks of up to N tokens replay as CUDA graphs."""
+        """How prompts run: "torch-dequant", or "triton-gemm (bf16 inputs[, attention bf16 kept]|float32[, graphs
+        <= N])" where first chunks of up to N tokens replay as CUDA graphs ("attention bf16 kept": FastPrefill's
+        dense="cached")."""
         p = self.prefiller
         if p is None:
             return "torch-dequant"
+        inputs = "float32" if p.exact else "bf16 inputs" + (", attention bf16 kept" if p.dense == "cached" else "")
         graphs = f", graphs <= {p.graph_max}" if p.graph_max else ""
-        return f"triton-gemm ({'float32' if p.exact else 'bf16 inputs'}{graphs})"
+        return f"triton-gemm ({inputs}{graphs})"
 
     def close(self) -> None:
         self.file.close()

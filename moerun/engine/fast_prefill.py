@@ -46,6 +46,8 @@ from moerun.quant.registry import dequantize
 DEFAULT_CHUNK = 2048
 GRAPH_STEP = 128  # prompt lengths are padded to a multiple of this for graph replay
 DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer ones amortise their launches)
+DENSE_MODES = ("dequant", "cached", "fused")  # FastPrefill's `dense` choices (besides "auto")
+DENSE_CACHE_SHARE = 0.25  # dense="auto" keeps bf16 attention matrices if they take at most this of free memory
 DEQUANT_MIN_ROWS = 128  # dense products of fewer tokens decode in the GEMM (a bf16 copy of W costs more)
 
 # Tiles per kind of product ("dense": projections, "gate_up" / "down": the grouped expert GEMMs), from
@@ -59,10 +61,20 @@ TILES: dict[str, qg.GemmTile] = {
 }
 FLOAT_EXPERT_TILE = qg.GemmTile(64, 128, 4, 3)
 FLOAT_TYPES = frozenset({0, 1, 30})
+# Quantized expert tiles per type for chunks with few token-expert rows per expert (T * n_used / n_expert up to
+# the first number; TILES above that): a 128-token block of a 64-row expert is half padding, and for Q8_0
+# smaller token blocks with the decoded weights as the MMA's register operand (swap) do less work; Q4_K is
+# slower so (NOTES.md 6j).
+MOE_TILES_BY_ROWS: dict[int, list[tuple[int, qg.GemmTile, qg.GemmTile]]] = {
+    8: [(96, qg.GemmTile(64, 64, 4, 3, frozenset({8}), swap=True),
+         qg.GemmTile(64, 64, 4, 3, frozenset({8}), swap=True))],
+}
 if qg._INTERPRET:  # Triton's CPU interpreter (tests): few, wide programs run fastest in numpy
     TILES.update(dense=qg.GemmTile(64, 256, 4, 1), gate_up=qg.GemmTile(64, 128, 4, 1),
                  down=qg.GemmTile(64, 128, 4, 1))
     FLOAT_EXPERT_TILE = qg.GemmTile(64, 128, 4, 1)
+    MOE_TILES_BY_ROWS = {q: [(r, gu._replace(num_stages=1), dn._replace(num_stages=1)) for r, gu, dn in entries]
+                         for q, entries in MOE_TILES_BY_ROWS.items()}
 
 
 def _raw(w: Any) -> tuple[torch.Tensor, int]:
@@ -74,32 +86,36 @@ class FastPrefill:
     """Batched forward of prompt chunks for one model and one KV cache."""
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
-                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "dequant",
+                 exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "auto",
                  graph_max: int = DEFAULT_GRAPH_MAX) -> None:
         """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
         each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
         the same GEMM on those (the alternative benchmarks/bench_prefill.py measures).
-        dense: "dequant" (default; 1.1-1.2x pp512 on the H200, benchmarks/NOTES.md 6h) writes each projection's
+        dense: "dequant" (1.1-1.2x pp512 over "fused" on the H200, benchmarks/NOTES.md 6h) writes each projection's
         weights to one reused bf16 buffer and multiplies with torch (cuBLAS) when the chunk has >=
         DEQUANT_MIN_ROWS tokens (bf16 mode; the float32 mode always decodes in the GEMM); "fused" decodes the
-        weights inside the GEMM, once per token block.
+        weights inside the GEMM, once per token block; "cached" is "dequant" with each projection's bf16 copy
+        kept after its first use (no copy per chunk, at the cost of the attention matrices in bf16 on the GPU;
+        +1-3% pp512, 6j); "auto" (default) is "cached" when that copy takes at most DENSE_CACHE_SHARE of the
+        device's free memory, else "dequant".
         graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only)."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact
         if experts not in ("fused", "dequant"):
             raise ValueError(f"experts must be 'fused' or 'dequant', got {experts!r}")
         self.experts = experts
-        if dense not in ("fused", "dequant"):
-            raise ValueError(f"dense must be 'fused' or 'dequant', got {dense!r}")
-        self.dense = dense
+        if dense not in DENSE_MODES + ("auto",):
+            raise ValueError(f"dense must be auto or one of {', '.join(DENSE_MODES)}, got {dense!r}")
+        self._qkv = [self._stack_qkv(L) for L in weights.layers]
+        self.dense = self._auto_dense(cache.k[0].device) if dense == "auto" else dense
         self.tile_overrides: set[str] = set()  # kinds whose TILES entry a benchmark set explicitly
         self.chunk = chunk
         self.act_dtype = torch.float32 if exact else torch.bfloat16  # dtype of matrix inputs
         self.graph_max = graph_max if cache.k[0].device.type == "cuda" else 0
         self._graphs: dict[int, _ChunkGraph] = {}  # padded length -> captured first-chunk forward
         self._seen: set[int] = set()  # padded lengths run once (captured the next time)
-        self._qkv = [self._stack_qkv(L) for L in weights.layers]
         self._wbuf: torch.Tensor | None = None  # dense="dequant": bf16 weights of the current projection
+        self._wcache: dict[tuple[int, int, int], torch.Tensor] = {}  # dense="cached": (raw ptr, M, K) -> bf16 [M, K]
         dev, factors = cache.k[0].device, weights.globals.get("rope_freqs")
         self._rope = {False: rope_table(cache.n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_scale, factors, dev)}
         if any(cfg.swa_layers):
@@ -115,26 +131,46 @@ class FastPrefill:
     def _linear_raw(self, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
         T, M = x.shape[0], raw.shape[0]
         K = x.shape[1]
-        bf16_copy = self.dense == "dequant" and not self.exact and T >= DEQUANT_MIN_ROWS
+        bf16_copy = self.dense != "fused" and not self.exact and T >= DEQUANT_MIN_ROWS
         if bf16_copy and self._wbuf is None:  # allocated by the first (eager) chunk using it, not in a capture
             self._wbuf = self._dense_buffer(x.device)
         if bf16_copy and M * K <= self._wbuf.numel():
-            wb = qg.dequantize_bf16(raw, qtype, self._wbuf[: M * K].view(M, K))  # [M, K] bf16
+            key = (raw.data_ptr(), M, K)
+            wb = self._wcache.get(key) if self.dense == "cached" else None  # the copy an earlier chunk made
+            if wb is None:
+                keep = self.dense == "cached" and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+                dst = torch.empty(M, K, dtype=torch.bfloat16, device=x.device) if keep else self._wbuf[: M * K]
+                wb = qg.dequantize_bf16(raw, qtype, dst.view(M, K))  # [M, K] bf16
+                if keep:
+                    self._wcache[key] = wb
             return _mm_f32(x.to(torch.bfloat16), wb)
         out = torch.empty(T, M, device=x.device, dtype=torch.float32)
         return qg.qgemm(x, raw, qtype, out, exact=self.exact, tile=TILES["dense"])
+
+    def _dense_sizes(self) -> list[int]:
+        """Weights per attention matrix a prompt multiplies (stacked q/k/v, else q, k and v; the output)."""
+        sizes = []
+        for i, L in enumerate(self.w.layers):
+            names = ("attn_output",) if self._qkv[i] is not None else ("attn_q", "attn_k", "attn_v", "attn_output")
+            mats = [L[k] for k in names if isinstance(L.get(k), QTensor)]
+            sizes += [m.shape[0] * m.shape[1] for m in mats if len(m.shape) == 2]
+            if self._qkv[i] is not None:
+                sizes.append(self._qkv[i][0].shape[0] * self.cfg.n_embd)
+        return sizes
+
+    def _auto_dense(self, device: torch.device) -> str:
+        """dense="auto": "cached" when the bf16 copies of all attention matrices fit in DENSE_CACHE_SHARE of the
+        device's free memory (always on the CPU), else "dequant"."""
+        if device.type != "cuda":
+            return "cached"
+        need = 2 * sum(self._dense_sizes())
+        return "cached" if need <= DENSE_CACHE_SHARE * torch.cuda.mem_get_info(device)[0] else "dequant"
 
     def _dense_buffer(self, device: torch.device) -> torch.Tensor:
         """The bf16 buffer dense="dequant" writes each projection into: the largest attention matrix
         (stacked q/k/v or one of q, k, v, output), reused by every layer in turn; the output matrix
         (vocabulary rows) is larger and decodes in the GEMM."""
-        sizes = []
-        for i, L in enumerate(self.w.layers):
-            mats = [L[k] for k in ("attn_q", "attn_k", "attn_v", "attn_output") if isinstance(L.get(k), QTensor)]
-            sizes += [m.shape[0] * m.shape[1] for m in mats if len(m.shape) == 2]
-            if self._qkv[i] is not None:
-                sizes.append(self._qkv[i][0].shape[0] * self.cfg.n_embd)
-        return torch.empty(max(sizes, default=0), dtype=torch.bfloat16, device=device)
+        return torch.empty(max(self._dense_sizes(), default=0), dtype=torch.bfloat16, device=device)
 
     @staticmethod
     def _stack_qkv(L: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
@@ -169,9 +205,7 @@ class FastPrefill:
             wg, wu, wd = wg[None], wu[None], wd[None]
         if self.experts == "dequant":
             (wg, qgt), (wu, qut), (wd, qdt) = (self._dequant(w) for w in (gate, up, down))
-        t_gu, t_dn = TILES["gate_up"], TILES["down"]
-        if qgt in FLOAT_TYPES and qdt in FLOAT_TYPES and "gate_up" not in self.tile_overrides:
-            t_gu = t_dn = FLOAT_EXPERT_TILE
+        t_gu, t_dn = self._moe_tiles(T * ids.shape[1] / n_expert, qgt, qdt)
         assert t_gu.block_m == t_dn.block_m, "gate/up and down share the routing's BLOCK_M"
         routing = qg.moe_align(ids, n_expert, t_gu.block_m)
         h = torch.empty(routing.rows.shape[0], wg.shape[1], device=x.device, dtype=self.act_dtype)  # [P, F]
@@ -179,6 +213,19 @@ class FastPrefill:
         y = torch.empty(ids.numel(), wd.shape[1], device=x.device, dtype=torch.float32)  # [T*K, N]
         qg.moe_down(h, wd, qdt, routing, route_w.view(-1), y, exact=self.exact, tile=t_dn)
         return y.view(T, ids.shape[1], -1)  # [T, K, N]: the next add_rms_norm sums the K parts
+
+    def _moe_tiles(self, rows: float, qgt: int, qdt: int) -> tuple[qg.GemmTile, qg.GemmTile]:
+        """(gate/up, down) tiles for experts of these types with `rows` token-expert pairs per expert on
+        average: a benchmark's explicit TILES, else FLOAT_EXPERT_TILE for float weights, else the first
+        MOE_TILES_BY_ROWS entry of their (common) type that covers `rows`, else TILES."""
+        if self.tile_overrides & {"gate_up", "down"}:
+            return TILES["gate_up"], TILES["down"]
+        if qgt in FLOAT_TYPES and qdt in FLOAT_TYPES:
+            return FLOAT_EXPERT_TILE, FLOAT_EXPERT_TILE
+        for max_rows, t_gu, t_dn in MOE_TILES_BY_ROWS.get(qgt, []) if qgt == qdt else []:
+            if rows <= max_rows:
+                return t_gu, t_dn
+        return TILES["gate_up"], TILES["down"]
 
     def _dequant(self, w: QTensor) -> tuple[torch.Tensor, int]:
         """A whole (expert) matrix dequantized, as typed rows the GEMM reads: ([E, M, K] bytes view, type)."""

@@ -92,7 +92,7 @@ def test_prefill_path_names(case) -> None:
     assert Engine(path, fast=False, prefill="reference", **KW).prefill_path() == "torch-dequant"
     graphs = ", graphs <= 1024" if str(TEST_DEVICE).startswith("cuda") else ""
     eng = Engine(path, fast=False, prefill="fast", prefill_dtype="bfloat16", **KW)
-    assert eng.prefill_path() == f"triton-gemm (bf16 inputs{graphs})"
+    assert eng.prefill_path() == f"triton-gemm (bf16 inputs, attention bf16 kept{graphs})"
     eng = Engine(path, fast=False, prefill="fast", prefill_dtype="float32", graph=False, **KW)
     assert eng.prefill_path() == "triton-gemm (float32)"
 
@@ -173,16 +173,31 @@ def test_real_gemma_prefill(gemma_file) -> None:
 
 
 def test_dense_products_through_a_bf16_copy(case, monkeypatch) -> None:
-    """dense="dequant": projections multiply a bf16 copy of the weights with torch; the same bf16 products as
-    the fused GEMM in another accumulation order: a float32 rounding apart per product, which bf16
+    """dense="cached" (the default where it fits) and "dequant": projections multiply a bf16 copy of the weights
+    with torch, kept after its first use or made again per chunk (the same bits either way); the same bf16
+    products as the fused GEMM in another accumulation order: a float32 rounding apart per product, which bf16
     activations can amplify over the layers (~3e-3 seen on the tiny MoE models), far from a wrong product."""
     path, tokens, _, _ = case
     monkeypatch.setattr(fast_prefill, "DEQUANT_MIN_ROWS", 8)  # the test prompt is short
+    copies = []
+    real = fast_prefill.qg.dequantize_bf16
+    monkeypatch.setattr(fast_prefill.qg, "dequantize_bf16", lambda *a: copies.append(a[0].shape) or real(*a))
     eng = Engine(path, fast=False, prefill="fast", prefill_dtype="bfloat16", graph=False, **KW)
-    assert eng.prefiller.dense == "dequant"  # the default
+    p = eng.prefiller
+    assert p.dense == "cached"  # "auto" on the CPU
     got = eng.forward(tokens)
+    n_mats = len(copies)  # attention matrices (and here the small output matrix, no larger than those)
+    assert n_mats == len(p._wcache) >= len(p._dense_sizes())  # one copy per matrix, kept
     eng.reset()
-    eng.prefiller.dense = "fused"
+    assert torch.equal(eng.forward(tokens), got) and len(copies) == n_mats  # no copy the second time
+    eng.reset()
+    p.dense = "dequant"
+    assert torch.equal(eng.forward(tokens), got) and len(copies) == 2 * n_mats  # copied again, same bits
+    eng.reset()
+    p.dense = "fused"
     fused = eng.forward(tokens)
-    assert eng.prefiller._wbuf is not None and eng.prefiller._wbuf.numel() > 0
+    assert p._wbuf is not None and p._wbuf.numel() > 0
     assert rel_err(got, fused) < 1e-2
+    if str(TEST_DEVICE).startswith("cuda"):
+        monkeypatch.setattr(fast_prefill, "DENSE_CACHE_SHARE", 0.0)  # no room: "auto" copies per chunk
+        assert Engine(path, fast=False, prefill="fast", prefill_dtype="bfloat16", **KW).prefiller.dense == "dequant"

@@ -116,7 +116,8 @@ def test_triton_ops_dispatch(device, rng) -> None:
     ops.rms_norm(x.to(device), nw, 1e-6, xn)
     assert (xn.data_ptr(), 512, 4) in ops._tc_made
     got = ops.qmatvec(raw, Q4_K, xn, torch.empty(40, device=device))
-    assert torch.equal(got, tc.qmatvec_tc(raw, tc.prepare_x(xn), torch.empty(40, device=device)))
+    xd = xn.cpu().double()
+    check_bound(got, dense @ xd, dense.abs() @ xd.abs(), seed, "TritonOps(tc=True), x prepared by rms_norm", tol=TOL)
     assert len(ops._tc_x) == 1  # no second preparation buffer
     # a Q8_0 product of xn prepares it once itself, and from the next rms_norm on gets it from there
     raw8, _ = quant_weights(Q8_0, (40,), 512, gen, device)
@@ -219,7 +220,9 @@ def test_triton_ops_ffn(layout, qd, device, rng) -> None:
 
 
 def test_rms_norm_writes_prepared_x(device, rng) -> None:
-    """decode_ops.rms_norm(out_tc=...) prepares its result as prepare_x would, bit for bit."""
+    """decode_ops.rms_norm(out_tc=...) prepares its result as prepare_x would: xb and g bit for bit, the sums of 32
+    within float32 rounding (on the GPU the compiler may fuse the norm's last multiply into the first adds of
+    the sum: an FMA, one rounding fewer than summing the stored values)."""
     from moerun.kernels.triton import decode_ops as dk
 
     gen, seed = rng
@@ -227,8 +230,10 @@ def test_rms_norm_writes_prepared_x(device, rng) -> None:
     out, xt = torch.empty(512, device=device), tc.empty_x(512, device)
     dk.rms_norm(x, w, 1e-6, out, out_tc=[(4, xt)])
     want = tc.prepare_x(out)
-    for a, b in zip(xt, want, strict=True):
-        assert torch.equal(a, b), f"seed {seed}"
+    assert torch.equal(xt.xb, want.xb) and torch.equal(xt.g, want.g), f"seed {seed}"
+    od = out.cpu().double().view(-1, 32)
+    err = (xt.xs.cpu().double() - od.sum(1)).abs()
+    assert (err <= 1e-6 * od.abs().sum(1)).all(), f"sums of 32 off by {err.max().item():.3g} (seed {seed})"
     with pytest.raises(ValueError, match="out_tc needs"):
         dk.rms_norm(x[:384], w[:384], 1e-6, out[:384], out_tc=[(4, xt)])
 

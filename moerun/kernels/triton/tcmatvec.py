@@ -101,7 +101,7 @@ def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr, FMT: tl.constex
     """Write x values v f32 [32 NSUB] at positions k [32 NSUB] (whole, aligned runs of 32: k = k0 + arange,
     k0 % 32 == 0) into TcX buffers of format FMT: per 32, g = the power of two just above max |v| (so |v / g| < 1
     and the f16 parts neither overflow nor lose the small values), hi = f16(v / g), lo = f16(v / g - hi), the
-    sum of v."""
+    sum of v (`_sum32`: the same bits whoever writes it)."""
     v2 = tl.reshape(v, [NSUB, 32])
     k2 = tl.reshape(k, [NSUB, 32])
     e = tl.minimum((tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 255, 252)  # [NSUB]
@@ -116,7 +116,19 @@ def _tc_store_x(v, k, xb_ptr, g_ptr, xs_ptr, NSUB: tl.constexpr, FMT: tl.constex
     tl.store(dst + 1, lo)
     sub = tl.min(k2, axis=1) // 32
     tl.store(g_ptr + sub, g)
-    tl.store(xs_ptr + sub, tl.sum(v2, axis=1))
+    tl.store(xs_ptr + sub, _sum32(v2))
+
+
+@triton.jit
+def _sum32(v):
+    """v [R, 32] -> [R]: sums of 32 in a fixed pairwise order (elementwise adds), so every producer's layout and
+    warp count gives the same bits (tl.sum's order follows the layout)."""
+    R: tl.constexpr = v.shape[0]
+    s = v
+    for n in tl.static_range(5):
+        a, b = tl.split(tl.reshape(s, [R, 16 >> n, 2]))
+        s = a + b
+    return tl.reshape(s, [R])
 
 
 @triton.jit
