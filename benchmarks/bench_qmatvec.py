@@ -29,7 +29,6 @@ from gguf import GGMLQuantizationType as T
 
 from moerun.kernels.torch_ops import permute_k4
 from moerun.kernels.triton import qmatvec as Q
-from moerun.kernels.triton import tcmatvec as TC
 from moerun.kernels.triton import wmatvec as W
 from moerun.quant import random_blocks
 
@@ -121,40 +120,6 @@ class Case:
                     for w, w2, i in self.launches]
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in self.launches]
 
-    def tcfns(self, split: int | None) -> list[Callable[[], object]]:
-        """tcmatvec's tensor-core kernels on the same launches; x (and down's h) prepared once outside the timed
-        region, gate/up writing h prepared for a down product of its type (as in the decode step)."""
-        qt, fmt = self.qtype, TC.FORMATS[self.qtype]
-        if self.kind == "mv":
-            xt = TC.prepare_x(self.x, fmt=fmt)
-            return [lambda w=w: TC.qmatvec_tc(w, xt, self.out, self.res, qtype=qt, split=split) for w in self.ws]
-        if self.kind == "gate_up":
-            xt = TC.prepare_x(self.x, fmt=fmt)
-            ht = TC.empty_x(self.m, self.x.device, N_SEL)
-            return [lambda w=w, w2=w2, i=i: TC.moe_gate_up_tc(w, w2, xt, i, ht, qtype=qt, out_fmt=fmt, split=split)
-                    for w, w2, i in self.launches]
-        ht = TC.prepare_x(self.x.reshape(-1), fmt=fmt)
-        return [lambda w=w, i=i: TC.moe_down_tc(w, ht, i, self.wts, self.res, self.out, qtype=qt, split=split)
-                for w, _, i in self.launches]
-
-    def tc_check(self) -> float:
-        """Largest |tensor cores - byte kernel| / max |byte kernel| on the first launch."""
-        qt, fmt = self.qtype, TC.FORMATS[self.qtype]
-        if self.kind == "mv":
-            a = Q.qmatvec(self.ws[0], qt, self.x, torch.empty_like(self.out), self.res)
-            b = TC.qmatvec_tc(self.ws[0], TC.prepare_x(self.x, fmt=fmt), torch.empty_like(self.out), self.res,
-                              qtype=qt)
-        elif self.kind == "gate_up":
-            w, w2, i = self.launches[0]
-            a = Q.moe_gate_up(w, w2, qt, qt, self.x, i, torch.empty_like(self.out), "silu")
-            b = TC.moe_gate_up_tc(w, w2, TC.prepare_x(self.x, fmt=fmt), i, torch.empty_like(self.out), qtype=qt)
-        else:
-            w, _, i = self.launches[0]
-            a = Q.moe_down(w, qt, self.x, i, self.wts, self.res, torch.empty_like(self.out))
-            b = TC.moe_down_tc(w, TC.prepare_x(self.x.reshape(-1), fmt=fmt), i, self.wts, self.res,
-                               torch.empty_like(self.out), qtype=qt)
-        return float((a - b).abs().max() / a.abs().max())
-
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
         """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
         n_mat = {"mv": 1, "gate_up": 2 * N_SEL, "down": N_SEL}[self.kind]
@@ -203,8 +168,6 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
-    ap.add_argument("--tc-splits", default="default,1,2,4,8",
-                    help="K (down: expert) splits of the tensor-core kernels (tcmatvec.py) to time ('' = none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -250,22 +213,6 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
-            tc_splits = [sp for sp in args.tc_splits.split(",") if sp] if TC.supports_tc(qt, k) else []
-            if tc_splits:
-                row["tc_rel_err_vs_bytes"] = case.tc_check()
-                xt0 = TC.prepare_x(case.x.reshape(-1), fmt=TC.FORMATS[qt])
-                tp = graph_time([lambda c=case, o=xt0, f=TC.FORMATS[qt]: TC.prepare_x(c.x.reshape(-1), o, f)])
-                row["tc_prepare_us"] = tp * 1e6
-                print(f"{name:5} {label:28} {tp * 1e6:8.2f} us tensor-core x preparation; tc vs bytes: rel err "
-                      f"{row['tc_rel_err_vs_bytes']:.2e}", flush=True)
-            for spec in tc_splits:
-                sp = None if spec == "default" else int(spec)
-                if sp and (N_SEL if case.kind == "down" else k // 256) % sp:
-                    continue
-                tt = graph_time(case.tcfns(sp))
-                row.setdefault("tc", {})[spec] = tt * 1e6
-                print(f"{name:5} {label:28} {tt * 1e6:8.2f} us {case.bytes / tt / 1e9:6.0f} GB/s tensor cores, split "
-                      f"{spec}", flush=True)
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
                 if "best_tile" in row else ""

@@ -48,8 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on CUDA, reference on CPU")
     p.add_argument("--ops", choices=[*OPS_NAMES, "torch"], default=None,
                    help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the word kernels), "
-                        "triton-bytes (every type on the byte-decoding matvecs), triton-tc (Q4_K, Q6_K and Q8_0 "
-                        "products on tensor cores, an experiment), torch (plain-torch twins)")
+                        "triton-bytes (every type on the byte-decoding matvecs), torch (plain-torch twins)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")

@@ -172,7 +172,7 @@ class FastDecoder:
         if cfg.is_moe:
             ops.router(self.xn, L["ffn_gate_inp"], self.router_logits)
             ops.route_topk(self.router_logits, cfg.n_expert_used, cfg.expert_weights_norm, self.route_w, self.ids)
-        h_perm = ops.h_layout(g.qtype, u.qtype, d.qtype, self.h.shape[-1])  # how down reads h
+        h_perm = ops.perm(d.qtype, self.h.shape[-1], "down")  # down reads h permuted
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
                         perm_out=h_perm)
         if spec.post_norms:

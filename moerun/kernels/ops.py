@@ -10,16 +10,14 @@ from moerun.kernels.torch_ops import TorchOps
 
 def make_ops(name: str) -> Any:
     """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel);
-    "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs);
-    "triton-tc" -> TritonOps with Q4_K, Q6_K and Q8_0 products on the tensor-core kernels (tcmatvec.py, an
-    experiment)."""
+    "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs)."""
     if name == "torch":
         return TorchOps()
     if name in OPS_NAMES:
         from moerun.kernels.triton_ops import TritonOps
 
-        return TritonOps(words=name != "triton-bytes", tc=name == "triton-tc")
+        return TritonOps(words=name == "triton")
     raise MoerunError(f"unknown decode ops {name!r}; use one of {', '.join(OPS_NAMES)} or 'torch'")
 
 
-OPS_NAMES = ("triton", "triton-bytes", "triton-tc")  # the TritonOps variants
+OPS_NAMES = ("triton", "triton-bytes")  # the TritonOps variants

@@ -52,12 +52,6 @@ class TorchOps:
         read permuted activations (never, here)."""
         return False
 
-    def h_layout(self, qtype_gate: int, qtype_up: int, qtype_down: int, f: int) -> bool | str:
-        """How an FFN's gate/up product hands h [n_sel, F] to its down product: False natural order, True
-        permuted (the down product's word kernel reads it so), "tcN" prepared for tensor cores in TcX layout N
-        (TritonOps)."""
-        return self.perm(qtype_down, f, "down")
-
     @staticmethod
     def qmatvec(w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 24
-OPS = ["torch"] + (["triton", "triton-bytes", "triton-tc"] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -82,7 +82,6 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").kernel_name(8) == "triton-words"
     assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
     assert make_ops("triton-bytes").kernel_name(12) == "triton"
-    assert make_ops("triton-tc").tc and make_ops("triton-tc").kernel_name(12) == "triton-words+tc"
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
         make_ops("cuda-magic")
@@ -102,21 +101,3 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
             assert len(runs) == 1
             base = runs[0][0].raw.untyped_storage().data_ptr()
             assert all(t.raw.untyped_storage().data_ptr() == base for t in (q, k, v))
-
-
-def test_tensor_core_ops_on_the_interpreter(tmp_path) -> None:
-    """--ops triton-tc end to end (on the CPU: Triton's interpreter): the tiny OLMoE in Q4_K, whose every
-    product then runs on tcmatvec's kernels (x prepared by RMSNorm or one launch, h handed gate/up -> down
-    prepared), teacher-forced against the reference."""
-    if TEST_DEVICE == "cuda":
-        pytest.skip("covered by test_fast_steps_match_reference with ops triton-tc on the GPU")
-    model, path, seed = tiny_gguf("olmoe", "q4_k", tmp_path)
-    tokens = tiny_tokens(model, seed, 4)
-    kw = dict(device="cpu", dtype="float32", kv_dtype="float32")
-    ref = Engine(path, fast=False, **kw).forward(tokens)
-    eng = Engine(path, fast=True, ops="triton-tc", graph=False, **kw)
-    assert eng.fast.ops.kernel_name(12) == "triton-words+tc"
-    for i, tok in enumerate(tokens):
-        eng.decode(tok)
-        err = rel_err(eng.fast.logits, ref[i])
-        assert err < 1e-5, f"step {i}: relative logit error {err:.2e} (seed {seed})"

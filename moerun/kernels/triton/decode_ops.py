@@ -17,7 +17,6 @@ import triton.language as tl
 
 from moerun.kernels import reference as ref
 from moerun.kernels.triton.qmatvec import perm_slot
-from moerun.kernels.triton.tcmatvec import TcX, _tc_store_x
 
 LOG2E = 1.4426950408889634
 QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
@@ -34,12 +33,9 @@ def _np2(n: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, xb_ptr, g_ptr, xs_ptr, xb2_ptr, g2_ptr, xs2_ptr, eps, N,
-                     BLOCK: tl.constexpr, PERM: tl.constexpr, TC: tl.constexpr, TC2: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, eps, N, BLOCK: tl.constexpr, PERM: tl.constexpr):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
-    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with TC
-    (a tcmatvec layout: 4, 6 or 8; 0 = none) prepared for the tensor-core kernels into xb/g/xs, and with TC2 in a
-    second layout into xb2/g2/xs2; one row, N == BLOCK)."""
+    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -50,37 +46,20 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, xb_ptr, g_ptr, xs_ptr, xb2
     tl.store(out_ptr + row * N + offs, y, mask=mask)
     if PERM:
         tl.store(perm_ptr + row * N + perm_slot(offs), y, mask=mask)
-    if TC != 0:
-        _tc_store_x(y, offs, xb_ptr, g_ptr, xs_ptr, BLOCK // 32, TC)
-    if TC2 != 0:
-        _tc_store_x(y, offs, xb2_ptr, g2_ptr, xs2_ptr, BLOCK // 32, TC2)
-
-
-def _tc_args(out_tc: list[tuple[int, TcX]], dummy: torch.Tensor, n_max: int = 2) -> tuple[list, dict]:
-    """Kernel arguments for up to n_max (layout, TcX) outputs: the buffers, and TC/TC2 = their layouts (0 = none)."""
-    if len(out_tc) > n_max:
-        raise ValueError(f"at most {n_max} prepared outputs, got {len(out_tc)}")
-    pad = out_tc + [(0, TcX(dummy, dummy, dummy))] * (n_max - len(out_tc))
-    return [t for _, x in pad for t in x], {"TC": pad[0][0], "TC2": pad[1][0]}
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None, out_tc: list[tuple[int, TcX]] | None = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
-    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_tc (one row,
-    N a power of two >= 256; up to two (layout, TcX) with buffers from tcmatvec.empty_x): the result prepared for
-    the tensor-core kernels in those layouts."""
+    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
     if out_perm is not None and n % 256:
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
-    if out_tc and (rows != 1 or block != n or n < 256):
-        raise ValueError(f"out_tc needs one row of a power of two N >= 256, got {rows} rows of N = {n}")
-    tc_bufs, tc_kw = _tc_args(list(out_tc or []), out)
-    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *tc_bufs, float(eps), n, BLOCK=block,
-                              PERM=out_perm is not None, **tc_kw, num_warps=8 if block >= 4096 else 4)
+    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, float(eps), n, BLOCK=block,
+                              PERM=out_perm is not None, num_warps=8 if block >= 4096 else 4)
     return out
 
 
@@ -306,14 +285,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
 
 
 @triton.jit
-def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, xb_ptr, g_ptr, xs_ptr, xb2_ptr, g2_ptr, xs2_ptr,
-                        DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        PERM: tl.constexpr, TC: tl.constexpr, TC2: tl.constexpr):
+def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PERM: tl.constexpr):
     """Program h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
 
     m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32 (with PERM also perm: out flattened, in the
-    word kernels' order `perm_slot`; with TC / TC2 out flattened prepared for tcmatvec's kernels in those
-    layouts, DV == BLOCK_DV a multiple of 32).
+    word kernels' order `perm_slot`).
     """
     h = tl.program_id(0)
     base = h * N_SPLITS
@@ -337,27 +314,20 @@ def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, xb_ptr, g_ptr,
     tl.store(out_ptr + h * DV + dv, out, mask=dv < DV)
     if PERM:
         tl.store(perm_ptr + perm_slot(h * DV + dv), out, mask=dv < DV)
-    if TC != 0:
-        _tc_store_x(out, h * DV + dv, xb_ptr, g_ptr, xs_ptr, BLOCK_DV // 32, TC)
-    if TC2 != 0:
-        _tc_store_x(out, h * DV + dv, xb2_ptr, g2_ptr, xs2_ptr, BLOCK_DV // 32, TC2)
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                      scale: float, window: int, out: torch.Tensor,
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
-                     split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
-                     out_tc: list[tuple[int, TcX]] | None = None) -> torch.Tensor:
+                     split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
     reads kv head h // (H/Hkv)); kv_len_t: [1] int device tensor L (= pos + 1, 1 <= L <= n_ctx);
     scratch: attention_scratch(H, Dv, S) with S from attention_splits; out: [H, Dv] f32. Two launches:
     H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). out_perm
-    ([H * Dv], H * Dv % 256 == 0): also receives out flattened in wmatvec.permute_k4 order; out_tc (up to two
-    (layout, TcX) of H * Dv; Dv a power of two >= 32, H * Dv % 256 == 0): out flattened, prepared for tcmatvec's
-    kernels. Returns out.
+    ([H * Dv], H * Dv % 256 == 0): also receives out flattened in wmatvec.permute_k4 order. Returns out.
     With GQA the G query heads of a kv head are adjacent programs reading the same K/V tiles (mostly L2 hits).
     """
     h, d = q.shape
@@ -375,12 +345,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if reduce:
         if out_perm is not None and (h * dv) % 256:
             raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
-        if out_tc and ((h * dv) % 256 or dv % 32 or _np2(dv) != dv):
-            raise ValueError(f"out_tc needs a power-of-two Dv >= 32 and H * Dv % 256 == 0, got {h} x {dv}")
-        tc_bufs, tc_kw = _tc_args(list(out_tc or []), out)
-        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, out if out_perm is None else out_perm, *tc_bufs, DV=dv,
+        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, out if out_perm is None else out_perm, DV=dv,
                                   N_SPLITS=n_splits, BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv),
-                                  PERM=out_perm is not None, **tc_kw, num_warps=4)
+                                  PERM=out_perm is not None, num_warps=4)
     return out
 
 
