@@ -87,7 +87,7 @@ class FastPrefill:
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
                  exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "auto",
-                 graph_max: int = DEFAULT_GRAPH_MAX) -> None:
+                 graph_max: int = DEFAULT_GRAPH_MAX, router: str = "triton") -> None:
         """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
         each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
         the same GEMM on those (the alternative benchmarks/bench_prefill.py measures).
@@ -98,12 +98,17 @@ class FastPrefill:
         kept after its first use (no copy per chunk, at the cost of the attention matrices in bf16 on the GPU;
         +1-3% pp512, 6j); "auto" (default) is "cached" when that copy takes at most DENSE_CACHE_SHARE of the
         device's free memory, else "dequant".
-        graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only)."""
+        graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only).
+        router: "triton" computes the router's float32 logits as split-K partial sums (prefill_ops.router_parts,
+        enough programs for every SM) that the top-k kernel adds; "torch" with one float32 matmul."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact
         if experts not in ("fused", "dequant"):
             raise ValueError(f"experts must be 'fused' or 'dequant', got {experts!r}")
         self.experts = experts
+        if router not in ("triton", "torch"):
+            raise ValueError(f"router must be 'triton' or 'torch', got {router!r}")
+        self.router = router
         if dense not in DENSE_MODES + ("auto",):
             raise ValueError(f"dense must be auto or one of {', '.join(DENSE_MODES)}, got {dense!r}")
         self._qkv = [self._stack_qkv(L) for L in weights.layers]
@@ -188,7 +193,11 @@ class FastPrefill:
         cfg = self.cfg
         T = x.shape[0]
         if cfg.is_moe:
-            logits = x @ L["ffn_gate_inp"].T  # [T, E] float32 router
+            wr = L["ffn_gate_inp"]  # [E, N] float32
+            if self.router == "triton" and wr.dtype == torch.float32 and wr.is_contiguous():
+                logits = po.router_parts(x, wr)  # [S, T, E] float32 partial sums, added in order by the top-k
+            else:
+                logits = x @ wr.T  # [T, E] float32
             K = cfg.n_expert_used
             route_w = torch.empty(T, K, device=x.device, dtype=torch.float32)
             ids = torch.empty(T, K, device=x.device, dtype=torch.int32)

@@ -40,9 +40,12 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return path, tokens, ref, arch
 
 
-def test_float32_prefill_matches_reference(case) -> None:
+@pytest.mark.parametrize("router", ["triton", "torch"])
+def test_float32_prefill_matches_reference(case, router) -> None:
+    """Both router paths: split-K Triton partial sums (the default) and one torch matmul."""
     path, tokens, ref, _ = case
     eng = Engine(path, fast=False, prefill="fast", prefill_dtype="float32", **KW)
+    eng.prefiller.router = router
     got = eng.forward(tokens)
     assert got.shape == ref.shape
     assert rel_err(got, ref) < 1e-4

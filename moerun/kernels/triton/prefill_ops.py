@@ -1,5 +1,6 @@
 """Triton kernels for the non-matmul parts of batched prompt processing (T tokens at once): residual add +
-RMSNorm, QK-norm + RoPE + KV-cache store, router softmax/top-k. Each wrapper is one launch.
+RMSNorm, QK-norm + RoPE + KV-cache store, the router's logits (split-K float32 products) and softmax/top-k.
+Each wrapper is one launch.
 
 The row-batched counterparts of moerun/kernels/triton/decode_ops.py (same math, same helpers: the RoPE table
 from decode_ops.rope_table, bf16 stores rounded to nearest even, softmax_topk). Every wrapper writes into
@@ -206,13 +207,78 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton.jit
-def _route_topk_rows_kernel(logits_ptr, w_out_ptr, id_out_ptr, E, l_st, K: tl.constexpr, RENORM: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row per program. logits: [T, E] f32 (row stride l_st) -> weights_out [T, K] f32, ids_out [T, K] int32."""
+def _router_parts_kernel(x_ptr, w_ptr, part_ptr, T, N, E, x_st, w_st, SPAN: tl.constexpr, BT: tl.constexpr,
+                         BE: tl.constexpr, BK: tl.constexpr):
+    """Grid (cdiv(T, BT), S): program (i, s) -> part[s, rows, :] = x[rows, Ks] @ w[:, Ks]^T, Ks = columns
+    s SPAN .. (s + 1) SPAN (SPAN a multiple of BK) of N, in float32 ("ieee": no TF32). x: [T, N] f32 (row stride
+    x_st), w: [E, N] f32 (row stride w_st), part: [S, T, E] f32 contiguous."""
+    i, s = tl.program_id(0), tl.program_id(1)
+    rows = i * BT + tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    kk = tl.arange(0, BK)
+    rmask, emask = rows < T, e < E
+    xp = x_ptr + rows[:, None].to(tl.int64) * x_st
+    wp = w_ptr + e[None, :] * w_st
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for j in range(0, SPAN, BK):
+        k0 = s * SPAN + j
+        kmask = k0 + kk < N
+        xa = tl.load(xp + k0 + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
+        wb = tl.load(wp + k0 + kk[:, None], mask=emask[None, :] & kmask[:, None], other=0.0)  # [BK, BE]
+        acc = tl.dot(xa, wb, acc, input_precision="ieee")
+    dst = part_ptr + (s * T + rows[:, None]).to(tl.int64) * E + e[None, :]
+    tl.store(dst, acc, mask=rmask[:, None] & emask[None, :])
+
+
+ROUTER_BT, ROUTER_BK = 32, 64  # token rows and columns of N per step of `router_parts`
+
+
+def router_split(t: int, n: int, device: torch.device) -> int:
+    """Column splits of `router_parts` for T tokens over N: enough programs for every SM (at 512 tokens 16 row
+    blocks alone leave most idle: cuBLAS's float32 GEMM ran 16 tiles, NOTES.md 6j), each >= 4 steps of
+    ROUTER_BK."""
+    from moerun.kernels.triton.qmatvec import sm_count
+
+    row_blocks = triton.cdiv(t, ROUTER_BT)
+    return max(1, min(triton.cdiv(sm_count(device), row_blocks), n // (4 * ROUTER_BK)))
+
+
+def router_parts(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor | None = None, split: int | None = None
+                 ) -> torch.Tensor:
+    """The router's logits x @ w^T as S partial sums over column slices of N, for `route_topk_rows` to add
+    in order (fixed summation order: bit-identical run to run).
+
+    x: [T, N] f32 (stride(1) == 1), w: [E, N] f32 contiguous (E <= 256) -> parts [S, T, E] f32 (given or new;
+    S = split, default `router_split`, or fewer where slices of whole ROUTER_BK steps need fewer). One launch of
+    cdiv(T, 32) x S programs. Returns parts."""
+    t, n = x.shape
+    e = w.shape[0]
+    if w.shape[1] != n or not w.is_contiguous() or x.stride(1) != 1 or e > 256:
+        raise ValueError(f"router_parts takes x [T, N] and a contiguous w [E <= 256, N], got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    split = split or router_split(t, n, x.device)
+    span = triton.cdiv(triton.cdiv(n, split), ROUTER_BK) * ROUTER_BK
+    split = triton.cdiv(n, span)  # no empty slices
+    if parts is None:
+        parts = torch.empty(split, t, e, device=x.device, dtype=torch.float32)
+    assert parts.shape == (split, t, e) and parts.is_contiguous(), f"parts must be [{split}, {t}, {e}] contiguous"
+    _router_parts_kernel[(triton.cdiv(t, ROUTER_BT), split)](x, w, parts, t, n, e, x.stride(0), w.stride(0),
+                                                             SPAN=span, BT=ROUTER_BT, BE=max(16, _np2(e)),
+                                                             BK=ROUTER_BK, num_warps=8 if e > 128 else 4)
+    return parts
+
+
+@triton.jit
+def _route_topk_rows_kernel(logits_ptr, w_out_ptr, id_out_ptr, E, l_st, p_st, K: tl.constexpr, RENORM: tl.constexpr,
+                            PARTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row per program. logits: PARTS x [T, E] f32 (row stride l_st, part stride p_st; added in order
+    0 .. PARTS-1) -> weights_out [T, K] f32, ids_out [T, K] int32."""
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
     x = tl.load(logits_ptr + row * l_st + e, mask=emask, other=-float("inf"))
+    for p in tl.static_range(1, PARTS):
+        x += tl.load(logits_ptr + p * p_st + row * l_st + e, mask=emask, other=0.0)
     wv, iv = softmax_topk(x, e, emask, K, RENORM, BLOCK_E, BLOCK_K)
     kk = tl.arange(0, BLOCK_K)
     tl.store(w_out_ptr + row * K + kk, wv, mask=kk < K)
@@ -224,12 +290,14 @@ def route_topk_rows(logits: torch.Tensor, k: int, renormalise: bool, weights_out
     """Per row: softmax over all E experts, top-k (descending, ties to the lower index), optional renormalisation
     (weights divided by their sum).
 
-    logits: [T, E] f32 (E <= 1024, stride(1) == 1) -> weights_out [T, k] f32, ids_out [T, k] int32 (both
-    contiguous). One launch of T programs. Returns (weights_out, ids_out).
+    logits: [T, E] f32 (E <= 1024, stride(1) == 1), or [S, T, E] partial sums (`router_parts`) added in order ->
+    weights_out [T, k] f32, ids_out [T, k] int32 (both contiguous). One launch of T programs. Returns
+    (weights_out, ids_out).
     """
-    t, e = logits.shape
-    assert logits.stride(1) == 1 and weights_out.is_contiguous() and ids_out.is_contiguous()
+    parts = logits if logits.dim() == 3 else logits[None]
+    s, t, e = parts.shape
+    assert parts.stride(2) == 1 and weights_out.is_contiguous() and ids_out.is_contiguous()
     assert weights_out.shape == (t, k) and ids_out.shape == (t, k) and ids_out.dtype == torch.int32
-    _route_topk_rows_kernel[(t,)](logits, weights_out, ids_out, e, logits.stride(0), K=k, RENORM=bool(renormalise),
-                                  BLOCK_E=_np2(e), BLOCK_K=_np2(k), num_warps=4)
+    _route_topk_rows_kernel[(t,)](parts, weights_out, ids_out, e, parts.stride(1), parts.stride(0), K=k,
+                                  RENORM=bool(renormalise), PARTS=s, BLOCK_E=_np2(e), BLOCK_K=_np2(k), num_warps=4)
     return weights_out, ids_out
