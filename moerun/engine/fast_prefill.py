@@ -1,12 +1,13 @@
 """Fast prompt processing: every token of a chunk at once through batched kernels.
 
 Per layer: the projections are quantized GEMMs (weights decoded tile by tile inside the kernel,
-kernels/triton/qgemm.py; Q, K and V stacked into one), the routed experts a grouped GEMM per matrix over
-the token-expert assignments grouped by expert on the device (moe_align.py, no host sync), and
-attention torch's scaled_dot_product_attention (flash / memory-efficient kernels) over the KV cache,
-which the chunk's keys and values are written into first. Residual add + RMSNorm (which also sums each
-token's expert outputs), QK-norm + RoPE + KV store, and the router's softmax/top-k are one Triton
-launch each (kernels/triton/prefill_ops.py): ~15 launches per layer.
+kernels/triton/qgemm.py; Q, K and V stacked into one), or from 128 tokens on cuBLAS products of bf16 copies
+of the weights (`dense`), the routed experts a grouped GEMM per matrix over the token-expert assignments
+grouped by expert on the device (moe_align.py, no host sync), and attention torch's
+scaled_dot_product_attention (flash / memory-efficient kernels) over the KV cache, which the chunk's keys and
+values are written into first. Residual add + RMSNorm (which also sums each token's expert outputs),
+QK-norm + RoPE + KV store, the router's logits (split-K partial sums) and its softmax/top-k (which adds
+them) are one Triton launch each (kernels/triton/prefill_ops.py): ~15 launches per layer.
 
 Long prompts run in chunks of `chunk` tokens (each continues the cache like a multi-turn prompt), so
 intermediate buffers stay bounded whatever the prompt length.
