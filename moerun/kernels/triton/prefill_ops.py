@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.triton.decode_ops import QK_NORM_KINDS, ROPE_STYLES, _cast_store, _np2, rope_pairs, softmax_topk
+from moerun.kernels.triton.qmatvec import sm_count
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Residual add + RMSNorm
@@ -237,8 +238,6 @@ def router_split(t: int, n: int, device: torch.device) -> int:
     """Column splits of `router_parts` for T tokens over N: enough programs for every SM (at 512 tokens 16 row
     blocks alone leave most idle: cuBLAS's float32 GEMM ran 16 tiles, NOTES.md 6j), each >= 4 steps of
     ROUTER_BK."""
-    from moerun.kernels.triton.qmatvec import sm_count
-
     row_blocks = triton.cdiv(t, ROUTER_BT)
     return max(1, min(triton.cdiv(sm_count(device), row_blocks), n // (4 * ROUTER_BK)))
 
