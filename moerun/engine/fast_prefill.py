@@ -195,7 +195,7 @@ class FastPrefill:
         T = x.shape[0]
         if cfg.is_moe:
             wr = L["ffn_gate_inp"]  # [E, N] float32
-            if self.router == "triton" and wr.dtype == torch.float32 and wr.is_contiguous():
+            if self.router == "triton" and po.router_takes(wr):  # else (e.g. > 256 experts) one matmul
                 logits = po.router_parts(x, wr)  # [S, T, E] float32 partial sums, added in order by the top-k
             else:
                 logits = x @ wr.T  # [T, E] float32

@@ -214,3 +214,5 @@ def test_router_parts_rejects() -> None:
         ops.router_parts(torch.zeros(4, 64, device=DEV), torch.zeros(8, 32, device=DEV))
     with pytest.raises(ValueError, match="router_parts takes"):
         ops.router_parts(torch.zeros(4, 64, device=DEV), torch.zeros(300, 64, device=DEV))
+    assert ops.router_takes(torch.zeros(256, 64)) and not ops.router_takes(torch.zeros(257, 64))
+    assert not ops.router_takes(torch.zeros(8, 64, dtype=torch.float16)) and not ops.router_takes(torch.zeros(64, 8).T)

@@ -232,6 +232,7 @@ def _router_parts_kernel(x_ptr, w_ptr, part_ptr, T, N, E, x_st, w_st, SPAN: tl.c
 
 
 ROUTER_BT, ROUTER_BK = 32, 64  # token rows and columns of N per step of `router_parts`
+ROUTER_MAX_E = 256  # experts one program's [ROUTER_BT, E] tile holds
 
 
 def router_split(t: int, n: int, device: torch.device) -> int:
@@ -242,19 +243,24 @@ def router_split(t: int, n: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(sm_count(device), row_blocks), n // (4 * ROUTER_BK)))
 
 
+def router_takes(w: torch.Tensor) -> bool:
+    """Whether `router_parts` takes this router matrix: float32 [E <= ROUTER_MAX_E, N], contiguous."""
+    return w.dim() == 2 and w.dtype == torch.float32 and w.is_contiguous() and w.shape[0] <= ROUTER_MAX_E
+
+
 def router_parts(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor | None = None, split: int | None = None
                  ) -> torch.Tensor:
     """The router's logits x @ w^T as S partial sums over column slices of N, for `route_topk_rows` to add
     in order (fixed summation order: bit-identical run to run).
 
-    x: [T, N] f32 (stride(1) == 1), w: [E, N] f32 contiguous (E <= 256) -> parts [S, T, E] f32 (given or new;
+    x: [T, N] f32 (stride(1) == 1), w: [E, N] f32 contiguous (E <= ROUTER_MAX_E) -> parts [S, T, E] f32 (given or new;
     S = split, default `router_split`, or fewer where slices of whole ROUTER_BK steps need fewer). One launch of
     cdiv(T, 32) x S programs. Returns parts."""
     t, n = x.shape
     e = w.shape[0]
-    if w.shape[1] != n or not w.is_contiguous() or x.stride(1) != 1 or e > 256:
-        raise ValueError(f"router_parts takes x [T, N] and a contiguous w [E <= 256, N], got {tuple(x.shape)} "
-                         f"and {tuple(w.shape)}")
+    if not router_takes(w) or w.shape[1] != n or x.stride(1) != 1:
+        raise ValueError(f"router_parts takes x [T, N] and a contiguous float32 w [E <= {ROUTER_MAX_E}, N], got "
+                         f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
     split = split or router_split(t, n, x.device)
     span = triton.cdiv(triton.cdiv(n, split), ROUTER_BK) * ROUTER_BK
     split = triton.cdiv(n, span)  # no empty slices
