@@ -48,6 +48,7 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "dense fused": {"dense": "fused"},
     "dense cached": {"dense": "cached"},
     "router torch": {"router": "torch"},
+    "router triton": {"router": "triton"},
     "large moe tiles": {"tiles": {"gate_up": fp.TILES["gate_up"], "down": fp.TILES["down"]}},  # no MOE_TILES_BY_ROWS
     "moe q8 words": {"tiles": {k: fp.TILES[k]._replace(q8_words=True) for k in ("gate_up", "down")}},
     "swap moe 128x64 q8 words": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4, swap=True, q8_words=True)
@@ -115,7 +116,7 @@ def main() -> None:
         p.act_dtype = torch.float32 if p.exact else torch.bfloat16
         p.experts = v.get("experts", "fused")
         p.dense = v.get("dense", base_dense)
-        p.router = v.get("router", "triton")
+        p.router = v.get("router", "bmm")
         p.graph_max = v.get("graph_max", fp.DEFAULT_GRAPH_MAX)
         p._graphs.clear()  # graphs captured under another variant's tiles
         p._seen.clear()
@@ -129,7 +130,7 @@ def main() -> None:
     fp.TILES.clear()
     fp.TILES.update(base_tiles)
     p = eng.prefiller
-    p.exact, p.act_dtype, p.experts, p.dense, p.router = False, torch.bfloat16, "fused", base_dense, "triton"
+    p.exact, p.act_dtype, p.experts, p.dense, p.router = False, torch.bfloat16, "fused", base_dense, "bmm"
     p.graph_max = 0  # the profile shows the kernels of an eager forward
     if args.profile:
         toks = list(range(1, 513))

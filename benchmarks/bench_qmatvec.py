@@ -109,16 +109,26 @@ class Case:
         return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile)
                 for w, _, i in self.launches]
 
-    def wfns(self, tile: W.WTile | None) -> list[Callable[[], object]]:
-        """The word kernels (wmatvec.KERNELS) on the same launches; x permuted once outside the timed region."""
+    def wfns(self, tile: W.WTile | None, padded: bool = False) -> list[Callable[[], object]]:
+        """The word kernels (wmatvec.KERNELS) on the same launches; x permuted once outside the timed region.
+        padded: Q6_K weights copied by `pad_q6k` (word-aligned blocks) first."""
         xp = permute_k4(self.x)
         fn = W.KERNELS[self.kind][self.qtype]
+        done: dict[int, torch.Tensor] = {}  # each weight tensor padded once
+
+        def pad(w: torch.Tensor | None) -> torch.Tensor | None:
+            if w is None or not padded:
+                return w
+            return done.setdefault(id(w), W.pad_q6k(w))
+
         if self.kind == "mv":
-            return [lambda w=w: fn(w, xp, self.out, self.res, tile=tile) for w in self.ws]
+            ws = [pad(w) for w in self.ws]
+            return [lambda w=w: fn(w, xp, self.out, self.res, tile=tile) for w in ws]
+        launches = [(pad(w), pad(w2), i) for w, w2, i in self.launches]
         if self.kind == "gate_up":
             return [lambda w=w, w2=w2, i=i: fn(w, w2, xp, i, self.out, "silu", perm_out=True, tile=tile)
-                    for w, w2, i in self.launches]
-        return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in self.launches]
+                    for w, w2, i in launches]
+        return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in launches]
 
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
         """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
@@ -213,6 +223,12 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
+                if qt == int(T.Q6_K):  # the same on word-aligned (padded) blocks
+                    tw = graph_time(case.wfns(wt, padded=True))
+                    row.setdefault("words_padded", {})[spec] = tw * 1e6
+                    print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
+                          "padded", flush=True)
+                    torch.cuda.empty_cache()
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
                 if "best_tile" in row else ""

@@ -125,6 +125,8 @@ class FastDecoder:
                 for src in ("ffn_gate", "ffn_up", "ffn_down"):
                     m = _mat(L[src])
                     d[src + "_exps"] = _Mat(m.raw[None], m.qtype, m.name)
+            down = d["ffn_down_exps"]  # in the layout the ops' down product reads (a padded copy, or itself)
+            d["ffn_down_exps"] = _Mat(self.ops.repack(down.qtype, "down", down.raw), down.qtype, down.name)
             self.layers.append(d)
 
     # --- the step -------------------------------------------------------------------------------

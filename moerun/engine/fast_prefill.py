@@ -45,6 +45,7 @@ from moerun.quant.qtensor import QTensor
 from moerun.quant.registry import dequantize
 
 DEFAULT_CHUNK = 2048
+ROUTERS = ("bmm", "triton", "torch")  # FastPrefill(router=...)
 GRAPH_STEP = 128  # prompt lengths are padded to a multiple of this for graph replay
 DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer ones amortise their launches)
 DENSE_MODES = ("dequant", "cached", "fused")  # FastPrefill's `dense` choices (besides "auto")
@@ -88,7 +89,7 @@ class FastPrefill:
 
     def __init__(self, spec: ArchSpec, cfg: ModelConfig, weights: ModelWeights, cache: KVCache, *,
                  exact: bool, chunk: int = DEFAULT_CHUNK, experts: str = "fused", dense: str = "auto",
-                 graph_max: int = DEFAULT_GRAPH_MAX, router: str = "triton") -> None:
+                 graph_max: int = DEFAULT_GRAPH_MAX, router: str = "bmm") -> None:
         """experts: "fused" decodes expert weights inside the grouped GEMM; "dequant" first dequantizes
         each layer's expert stacks to bf16 (float32 when exact) with the torch dequantizers, then runs
         the same GEMM on those (the alternative benchmarks/bench_prefill.py measures).
@@ -100,15 +101,17 @@ class FastPrefill:
         +1-3% pp512, 6j); "auto" (default) is "cached" when that copy takes at most DENSE_CACHE_SHARE of the
         device's free memory, else "dequant".
         graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only).
-        router: "triton" computes the router's float32 logits as split-K partial sums (prefill_ops.router_parts,
-        enough programs for every SM) that the top-k kernel adds; "torch" with one float32 matmul."""
+        router: how the router's float32 logits are computed: "bmm" (default) as split-K partial sums from one
+        batched cuBLAS matmul over column slices (enough tiles for every SM; `router_parts_mm`), "triton" as the
+        same partial sums from prefill_ops.router_parts, "torch" as one matmul; the top-k kernel adds the parts
+        in order."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact
         if experts not in ("fused", "dequant"):
             raise ValueError(f"experts must be 'fused' or 'dequant', got {experts!r}")
         self.experts = experts
-        if router not in ("triton", "torch"):
-            raise ValueError(f"router must be 'triton' or 'torch', got {router!r}")
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
         self.router = router
         if dense not in DENSE_MODES + ("auto",):
             raise ValueError(f"dense must be auto or one of {', '.join(DENSE_MODES)}, got {dense!r}")
@@ -195,8 +198,10 @@ class FastPrefill:
         T = x.shape[0]
         if cfg.is_moe:
             wr = L["ffn_gate_inp"]  # [E, N] float32
-            if self.router == "triton" and po.router_takes(wr):  # else (e.g. > 256 experts) one matmul
-                logits = po.router_parts(x, wr)  # [S, T, E] float32 partial sums, added in order by the top-k
+            if self.router == "bmm":
+                logits = router_parts_mm(x, wr)  # [S, T, E] float32 partial sums, added in order by the top-k
+            elif self.router == "triton" and po.router_takes(wr):  # else (e.g. > 256 experts) one matmul
+                logits = po.router_parts(x, wr)  # [S, T, E] as bmm's
             else:
                 logits = x @ wr.T  # [T, E] float32
             K = cfg.n_expert_used
@@ -365,6 +370,24 @@ class FastPrefill:
         last = torch.empty(1, dtype=torch.long, device=tokens.device)
         _fill_padded(buf, last, tokens)
         return self._chunk(buf, 0, True, last)
+
+
+def router_parts_mm(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
+    """The router's logits x @ w^T as S partial sums over column slices of N, from one batched matmul (at 512
+    tokens a single [T, N] x [N, E] float32 product is 16 cuBLAS tiles for 132 SMs: NOTES.md 6j).
+
+    x: [T, N] f32 (stride(1) == 1), w: [E, N] f32 contiguous -> [S, T, E] f32, S = split (default
+    prefill_ops.router_split), reduced to a divisor of N."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    t, n = x.shape
+    e = w.shape[0]
+    s = split or po.router_split(t, n, x.device)
+    while n % s:
+        s -= 1
+    xs = x.as_strided((s, t, n // s), (n // s, x.stride(0), 1))  # [S, T, N/S] slice s of every row
+    ws = w.reshape(e, s, n // s).permute(1, 2, 0)  # [S, N/S, E]
+    return torch.bmm(xs, ws)
 
 
 def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

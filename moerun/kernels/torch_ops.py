@@ -53,6 +53,11 @@ class TorchOps:
         return False
 
     @staticmethod
+    def repack(qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
+        """The rows product `kind` reads for matrix w: the file's own, here."""
+        return w
+
+    @staticmethod
     def qmatvec(w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
         """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]. x_perm: permute_k4(x),

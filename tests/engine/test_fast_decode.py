@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from support.device import TEST_DEVICE
 from support.tiny_files import rel_err, tiny_gguf, tiny_tokens
 from support.tiny_models import TINY
@@ -80,7 +81,14 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").words and not make_ops("triton-bytes").words
     assert make_ops("triton").kernel_name(12) == "triton-words"
     assert make_ops("triton").kernel_name(8) == "triton-words"
-    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
+    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384,gate_up,down padded)"
+    assert make_ops("triton-unpadded").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
+    w = torch.zeros(3, 5, 4 * 210, dtype=torch.uint8)  # Q6_K experts [E, N, row_bytes], F = 1024
+    assert make_ops("triton").repack(14, "down", w).shape == (3, 5, 4 * 212)
+    assert make_ops("triton").perm(14, 1024, "down") and not make_ops("triton-unpadded").perm(14, 1024, "down")
+    for name, kind in [("triton-unpadded", "down"), ("triton", "gate_up"), ("triton-bytes", "down")]:
+        assert make_ops(name).repack(14, kind, w) is w
+    assert make_ops("torch").repack(14, "down", w) is w
     assert make_ops("triton-bytes").kernel_name(12) == "triton"
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
@@ -101,3 +109,23 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
             assert len(runs) == 1
             base = runs[0][0].raw.untyped_storage().data_ptr()
             assert all(t.raw.untyped_storage().data_ptr() == base for t in (q, k, v))
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")
+@pytest.mark.parametrize("ops", ["triton", "triton-unpadded"])
+def test_q6k_down_padded_in_the_step(ops: str, tmp_path: Path) -> None:
+    """A Q4_K_M mix (synth's tiny OLMoE: Q6_K down in layer 1, Q6_K output) through the fast step, with Q6_K
+    down on padded word-aligned copies (triton) or the byte kernel (triton-unpadded): reference logits."""
+    from moerun.synth import synthesize
+
+    path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
+    synthesize("tiny-olmoe-1b-7b", "q4_k_m", path, progress=False)
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    tokens = [5, 17, 99, 3, 250, 8, 41, 7]
+    ref = Engine(path, fast=False, **kw).forward(tokens)
+    eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
+    assert eng.fast.layers[1]["ffn_down_exps"].raw.shape[-1] % (212 if ops == "triton" else 210) == 0
+    for i, tok in enumerate(tokens):
+        eng.decode(tok)
+        err = rel_err(eng.fast.logits, ref[i])
+        assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"

@@ -42,7 +42,7 @@ def test_permutation() -> None:
 def test_supports() -> None:
     assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q5_K), 2048)
     assert wk.supports(Q8_0, 2048, "down") and not wk.supports(Q8_0, 2048 + 32, "mv")
-    assert not wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "gate_up")
+    assert wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "gate_up") and ("down", Q6_K) in wk.PAD
     assert wk.supports(Q6_K, 2048, "mv", 50304) and not wk.supports(Q6_K, 2048, "mv", 2048)
     assert wk.WORD_TYPES == {Q4_K, Q6_K, Q8_0}
 
@@ -97,12 +97,15 @@ def test_moe_gate_up_w_perm_out_needs_whole_blocks(qtype, size, device) -> None:
 
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
-@pytest.mark.parametrize("qtype,f", [(T.Q4_K, 768), (T.Q6_K, 768), (T.Q6_K, 512), (T.Q8_0, 768)], ids=str)
-# Q6_K's down (moe_down_w6) is not in KERNELS (slower than the byte kernel) but kept and tested
-def test_moe_down_w(qtype, f, tile, device, rng) -> None:
+@pytest.mark.parametrize("qtype,f,padded", [(T.Q4_K, 768, False), (T.Q6_K, 768, False), (T.Q6_K, 512, False),
+                                            (T.Q6_K, 768, True), (T.Q8_0, 768, False)], ids=str)
+def test_moe_down_w(qtype, f, padded, tile, device, rng) -> None:
+    """Q6_K on the file's rows (odd blocks at 2-byte offsets) and on `pad_q6k`'s word-aligned copy."""
     gen, seed = rng
     e, n = 5, 37
     w, dw = quant_weights(int(qtype), (e, n), f, gen, device)
+    if padded:
+        w = wk.pad_q6k(w)
     for ids_list, dtype in [([3, 0, 3], torch.int32), ([1], torch.int64)]:
         n_sel = len(ids_list)
         ids = torch.tensor(ids_list, dtype=dtype)
@@ -114,9 +117,9 @@ def test_moe_down_w(qtype, f, tile, device, rng) -> None:
         ref = r.double() + (wts.double()[:, None] * parts).sum(0)
         bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
         out = r.to(device)  # out aliases residual
-        down = wk.moe_down_w6 if qtype == T.Q6_K else wk.KERNELS["down"][int(qtype)]
-        down(w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out, tile=tile)
-        check_bound(out, ref, bound, seed, f"{qtype.name} down ids={ids_list} F={f} tile={tile}")
+        wk.KERNELS["down"][int(qtype)](w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out,
+                                       tile=tile)
+        check_bound(out, ref, bound, seed, f"{qtype.name} down ids={ids_list} F={f} padded={padded} tile={tile}")
 
 
 @pytest.mark.parametrize("qtype", WORDS, ids=lambda t: t.name)
@@ -128,11 +131,40 @@ def test_deterministic(qtype, device, rng) -> None:
     assert torch.equal(mv(raw, xp, torch.empty(130, device=device)), mv(raw, xp, torch.empty(130, device=device)))
 
 
-@pytest.mark.parametrize("qtype,size", [(T.Q6_K, 210), (T.Q8_0, 272)], ids=str)
-def test_rows_checked(qtype, size, device) -> None:
+@pytest.mark.parametrize("qtype,size,sizes", [(T.Q6_K, 210, "210 or 212"), (T.Q8_0, 272, "272")], ids=str)
+def test_rows_checked(qtype, size, sizes, device) -> None:
     w = torch.zeros(4, size + 1, dtype=torch.uint8, device=device)
-    with pytest.raises(ValueError, match=f"{qtype.name} rows must be contiguous {size}-byte rows"):
+    with pytest.raises(ValueError, match=f"{qtype.name} rows must be contiguous {sizes}-byte rows"):
         wk.KERNELS["mv"][int(qtype)](w, torch.zeros(256, device=device), torch.zeros(4, device=device))
+
+
+@pytest.mark.parametrize("kind", ["mv", "gate_up", "down"])
+def test_padded_q6k_same_bits(kind, device, rng) -> None:
+    """`pad_q6k` keeps every block's bytes and appends two zeros; each word kernel gives the same bits on the
+    padded copy as on the file's rows (odd block counts: every other block at a 2-byte offset there)."""
+    gen, _ = rng
+    k = 768
+    raw, _ = quant_weights(Q6_K, (3, 37), k, gen, device)
+    padded = wk.pad_q6k(raw)
+    assert padded.shape == (3, 37, 3 * 212)
+    blocks = padded.reshape(3, 37, 3, 212)
+    assert torch.equal(blocks[..., :210].reshape(raw.shape), raw) and not blocks[..., 210:].any()
+    fn = wk.KERNELS[kind][Q6_K]
+    ids = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    outs = []
+    for w in (raw, padded):
+        if kind == "mv":
+            out = fn(w[0], permute_k4(torch.linspace(-1, 1, k)).to(device), torch.empty(37, device=device))
+        elif kind == "gate_up":
+            out = fn(w, w, permute_k4(torch.linspace(-1, 1, k)).to(device), ids, torch.empty(2, 37, device=device))
+        else:
+            h = permute_k4(torch.linspace(-1, 1, 2 * k).reshape(2, k)).to(device)
+            out = fn(w, h, ids, torch.tensor([0.25, 0.75], device=device), torch.ones(37, device=device),
+                     torch.empty(37, device=device))
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="whole 210-byte blocks"):
+        wk.pad_q6k(torch.zeros(2, 211, dtype=torch.uint8))
 
 
 def test_rms_norm_perm(device, rng) -> None:

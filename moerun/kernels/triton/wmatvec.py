@@ -385,13 +385,17 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
 Q8_0 = 8
 GROUP_UNITS = {Q6_K: 105, Q8_0: 68}  # offset units (Q6_K halfwords, Q8_0 words) per 256 weights
 ROW_BYTES = {Q6_K: 210, Q8_0: 272}  # bytes per 256 weights
+PADDED_BYTES = 212  # a Q6_K block padded to a whole number of words (`pad_q6k`)
 
 
 @triton.jit
-def _words_at(wp, hw, ok):
+def _words_at(wp, hw, ok, ALIGNED: tl.constexpr):
     """The 32-bit words starting at halfword offsets hw (any shape) from wp (int32 pointer): aligned ones read
-    directly, the others (odd hw) from the two words around them (a 16-bit funnel shift)."""
+    directly, the others (odd hw) from the two words around them (a 16-bit funnel shift). ALIGNED: every hw
+    is even (padded blocks), one load each."""
     j = hw >> 1
+    if ALIGNED:
+        return tl.load(wp + j, mask=ok, other=0)
     a = tl.load(wp + j, mask=ok, other=0)
     b = tl.load(wp + j + 1, mask=ok, other=0)
     return tl.where((hw & 1) != 0, ((a >> 16) & 0xFFFF) | (b << 16), a)
@@ -434,17 +438,18 @@ def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
 
 
 @triton.jit
-def _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+def _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
     """One Q6_K row's groups kb..: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble.
-    off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at 2 off)."""
+    off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at 2 off); GU:
+    halfwords per block (105 as in the file, 106 padded: every block word-aligned)."""
     xs, xs_lo, xs_hi = xt
     blk = kb + tl.arange(0, NB)
-    bo = off + blk * 105  # [NB] first halfword of each block
+    bo = off + blk * GU  # [NB] first halfword of each block
     h = tl.arange(0, 2)[None, :, None]
     tt = tl.arange(0, 16)[None, None, :]
     b3 = bo[:, None, None]
-    ql = _words_at(wp, b3 + 2 * (16 * h + tt), ok)  # [NB, 2, 16]
-    qh = _words_at(wp, b3 + 64 + 2 * (8 * h + tt % 8), ok)
+    ql = _words_at(wp, b3 + 2 * (16 * h + tt), ok, GU % 2 == 0)  # [NB, 2, 16]
+    qh = _words_at(wp, b3 + 64 + 2 * (8 * h + tt % 8), ok, GU % 2 == 0)
     vs = qh >> (2 * (tt // 8))
     pl = _f6(ql, vs, 0) * xs[0]
     ph = _f6(ql, vs, 4) * xs[1]
@@ -480,9 +485,9 @@ def _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
 
 
 @triton.jit
-def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
     if QT == 14:
-        acc = _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB)
+        acc = _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, GU)
     else:
         acc = _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB)
     return acc
@@ -526,7 +531,7 @@ def _xrows_dot(QT: tl.constexpr, wp, hp, bp, lead, row0, M, x_ptr, scale, accs, 
         new = ()
         for r in tl.static_range(R):
             new = new + (_xstep(QT, wp, hp, bp, lead + r * (GU * N_BLOCKS), row0 + r < M, kb, xt, scale,
-                                accs[r], NB),)
+                                accs[r], NB, GU),)
         accs = new
     return accs
 
@@ -565,8 +570,8 @@ def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr,
         nua = ()
         for r in tl.static_range(R):
             ok = row0 + r < F
-            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ga[r], NB),)
-            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ua[r], NB),)
+            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ga[r], NB, GU),)
+            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ua[r], NB, GU),)
         ga, ua = nga, nua
     for r in tl.static_range(R):
         _store_h(out_ptr + sel * stride_out, row0 + r, F, _sum3(ga[r]), _sum3(ua[r]), ACT, PERM_OUT)
@@ -591,30 +596,45 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
         tl.store(out_ptr + row, v, mask=row < N)
 
 
-def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int]:
-    """int32 / int16 / int8 views of Q6_K or Q8_0 rows (uint8 [..., ROW_BYTES K / 256], contiguous, 4-byte
-    aligned start) and the stride of the leading (expert) dimension in offset units (0 for a matrix)."""
-    name, size = GGMLQuantizationType(qtype).name, ROW_BYTES[qtype]
-    if k % 256 or w.shape[-1] != size * (k // 256) or not w.is_contiguous():
-        raise ValueError(f"{name} rows must be contiguous {size * (k // 256)}-byte rows for K = {k}, "
-                         f"got shape {tuple(w.shape)} strides {w.stride()}")
+def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """int32 / int16 / int8 views of Q6_K or Q8_0 rows (uint8 [..., ROW_BYTES K / 256], or Q6_K padded by
+    `pad_q6k` to PADDED_BYTES; contiguous, 4-byte aligned start), the stride of the leading (expert) dimension
+    in offset units (0 for a matrix) and the offset units per 256 weights (GU)."""
+    name, nb = GGMLQuantizationType(qtype).name, k // 256
+    sizes = (ROW_BYTES[qtype], PADDED_BYTES) if qtype == Q6_K else (ROW_BYTES[qtype],)
+    size = next((b for b in sizes if w.shape[-1] == b * nb), None)
+    if k % 256 or size is None or not w.is_contiguous():
+        raise ValueError(f"{name} rows must be contiguous {' or '.join(str(b * nb) for b in sizes)}-byte rows "
+                         f"for K = {k}, got shape {tuple(w.shape)} strides {w.stride()}")
     if w.data_ptr() % 4:
         raise ValueError(f"{name} weights must start at a 4-byte aligned address")
     flat = w.reshape(-1)
-    unit = size // GROUP_UNITS[qtype]  # bytes per offset unit
+    unit = ROW_BYTES[qtype] // GROUP_UNITS[qtype]  # bytes per offset unit
     stride_e = w.stride(0) // unit if w.dim() == 3 else 0
     # whole words only: the last 2 bytes (an odd Q6_K block's d, read as a halfword) may be left out of the
     # int32 view
-    return (flat[: flat.numel() // 4 * 4].view(torch.int32), flat.view(torch.int16), flat.view(torch.int8)), stride_e
+    views = (flat[: flat.numel() // 4 * 4].view(torch.int32), flat.view(torch.int16), flat.view(torch.int8))
+    return views, stride_e, size // unit
+
+
+def pad_q6k(w: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows uint8 [..., 210 n] -> a copy with 2 zero bytes after each 210-byte block, uint8 [..., 212 n]:
+    every block then starts at a word, so the word kernels read each word with one load (the file's odd blocks
+    start at odd halfwords: two loads and a funnel shift). The same values, 1% more bytes."""
+    if w.shape[-1] % ROW_BYTES[Q6_K]:
+        raise ValueError(f"Q6_K rows must be whole 210-byte blocks, got rows of {w.shape[-1]} bytes")
+    blocks = w.reshape(*w.shape[:-1], -1, ROW_BYTES[Q6_K])  # [..., n, 210]
+    padded = torch.nn.functional.pad(blocks, (0, PADDED_BYTES - ROW_BYTES[Q6_K]))  # [..., n, 212]
+    return padded.reshape(*w.shape[:-1], -1).contiguous()
 
 
 def _qmatvec_x(qtype: int, w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor,
                residual: torch.Tensor | None = None, *, tile: WTile | None = None) -> torch.Tensor:
     m, k = w.shape[0], xp.shape[0]
-    views, _ = _views(qtype, w, k)
+    views, _, gu = _views(qtype, w, k)
     t = wtile_for("mv", m, k, m, w.device, tile)
     _wmvx_kernel[(triton.cdiv(m, t.rows),)](
-        *views, xp, out if residual is None else residual, out, m, QT=qtype, GU=GROUP_UNITS[qtype],
+        *views, xp, out if residual is None else residual, out, m, QT=qtype, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -627,11 +647,13 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
     f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
-    (g32, g16, g8), sg = _views(qtype, w_gate, k)
-    (u32, u16, u8), su = _views(qtype, w_up, k)
+    (g32, g16, g8), sg, gu = _views(qtype, w_gate, k)
+    (u32, u16, u8), su, gu_up = _views(qtype, w_up, k)
+    if gu != gu_up:
+        raise ValueError("gate and up must have the same layout (both padded or neither)")
     t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile)
     _wgate_upx_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        g32, g16, g8, u32, u16, u8, xp, ids, out, f, sg, su, out.stride(0), QT=qtype, GU=GROUP_UNITS[qtype],
+        g32, g16, g8, u32, u16, u8, xp, ids, out, f, sg, su, out.stride(0), QT=qtype, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -641,10 +663,10 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
 def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
-    views, se = _views(qtype, w_down, f)
+    views, se, gu = _views(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile)
     _wdownx_kernel[(triton.cdiv(n, t.rows),)](
-        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=GROUP_UNITS[qtype],
+        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=gu,
         N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
@@ -662,13 +684,16 @@ moe_down_w8 = partial(_moe_down_x, Q8_0)
 KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
     "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6, Q8_0: qmatvec_w8},
     "gate_up": {Q4_K: moe_gate_up_w, Q6_K: moe_gate_up_w6, Q8_0: moe_gate_up_w8},
-    "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8},  # Q6_K's (moe_down_w6) lost to the byte kernel: NOTES 7b
+    "down": {Q4_K: moe_down_w, Q6_K: moe_down_w6, Q8_0: moe_down_w8},
 }
+# (kind, type) whose word kernel beats the byte kernel only on `pad_q6k`'s word-aligned rows (on the file's rows
+# Q6_K down measured 23.6 us against the byte kernel's 21.8, NOTES.md 7b): the decoder pads those at load.
+PAD: frozenset[tuple[str, int]] = frozenset({("down", Q6_K)})
 # (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel (H200, NOTES.md 7b): the
 # Q6_K matvec wins on output-sized matrices only (60.3 vs 69.8 us at 50304 x 2048; 7.9 vs 5.7 at 2048 x 2048)
 MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
 WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
 
-__all__ = ["KERNELS", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8", "moe_gate_up_w",
-           "moe_gate_up_w6", "moe_gate_up_w8", "permute_k4", "qmatvec_w", "qmatvec_w6", "qmatvec_w8", "supports",
-           "wtile_for"]
+__all__ = ["KERNELS", "PAD", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8",
+           "moe_gate_up_w", "moe_gate_up_w6", "moe_gate_up_w8", "pad_q6k", "permute_k4", "qmatvec_w", "qmatvec_w6",
+           "qmatvec_w8", "supports", "wtile_for"]
