@@ -48,7 +48,6 @@ VARIANTS: dict[str, dict] = {  # name -> (tiles for dense/gate_up/down, FastPref
     "dense fused": {"dense": "fused"},
     "dense cached": {"dense": "cached"},
     "router torch": {"router": "torch"},
-    "router triton": {"router": "triton"},
     "large moe tiles": {"tiles": {"gate_up": fp.TILES["gate_up"], "down": fp.TILES["down"]}},  # no MOE_TILES_BY_ROWS
     "moe q8 words": {"tiles": {k: fp.TILES[k]._replace(q8_words=True) for k in ("gate_up", "down")}},
     "swap moe 128x64 q8 words": {"tiles": {k: fp.TILES[k]._replace(block_n=64, num_warps=4, swap=True, q8_words=True)

@@ -7,7 +7,7 @@
 #   prefill:TYPE (prefill variants, profile, pp512/pp4096/tg128 of OLMoE), prefilltests (GEMM + prefill tests),
 #   qgemmtests (GEMM kernel tests only), words:TYPE (word-kernel tests, micro-benchmark, profile and tg128 of
 #   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps),
-#   pad:TYPE (Q6_K down on padded copies vs the byte kernel: tests, micro, profiles and tg128 of OLMoE),
+#   pad:TYPE (Q6_K output on a padded copy vs the file's rows: tests, micro, profiles and tg128 of OLMoE),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -79,10 +79,10 @@ for stage in "$@"; do
       ab "$t" triton words triton-bytes bytes
       MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/engine/test_fast_decode.py 2>&1 | tail -3 \
         | tee -a "$LOG" ;;
-    pad:*)  # Q6_K down on padded word-aligned copies vs the byte kernel: tests, micro-benchmark, profiles, tg128
+    pad:*)  # Q6_K words on padded word-aligned copies vs the file's rows: tests, micro-benchmark, profiles, tg128
       t=${stage#*:}
       MOERUN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/kernels/test_wmatvec.py \
-        tests/engine/test_fast_decode.py -k "padded or down_w or make_ops" 2>&1 | tail -2 | tee -a "$LOG"
+        tests/engine/test_fast_decode.py -k "padded or down_w or make_ops or fast_steps" 2>&1 | tail -2 | tee -a "$LOG"
       timeout 240 python3 benchmarks/bench_qmatvec.py --types q6_k --wtiles default 2>&1 | tee -a "$LOG"
       ab "$t" triton padded triton-unpadded unpadded ;;
     tg:*|pp:*)  # just the bench: tg128 (words and depth 4096) or pp512 of OLMoE

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", choices=[*OPS_NAMES, "torch"], default=None,
                    help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the word kernels), "
                         "triton-bytes (every type on the byte-decoding matvecs), triton-unpadded (no word-aligned "
-                        "copies: Q6_K down on the byte kernel), torch (plain-torch twins)")
+                        "copy of a Q6_K output matrix), torch (plain-torch twins)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")

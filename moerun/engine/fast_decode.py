@@ -106,7 +106,8 @@ class FastDecoder:
         g = w.globals
         self.embd = g["token_embd"]
         self.out_norm = g["output_norm"]
-        self.out_mat = _mat(g.get("output", g["token_embd"]))
+        out = _mat(g.get("output", g["token_embd"]))  # in the layout the ops read (a padded copy, or itself)
+        self.out_mat = _Mat(self.ops.repack(out.qtype, "mv", out.raw), out.qtype, out.name)
         self.rope_freqs = g.get("rope_freqs")
         self.layers = []
         moe = self.cfg.is_moe
@@ -125,8 +126,6 @@ class FastDecoder:
                 for src in ("ffn_gate", "ffn_up", "ffn_down"):
                     m = _mat(L[src])
                     d[src + "_exps"] = _Mat(m.raw[None], m.qtype, m.name)
-            down = d["ffn_down_exps"]  # in the layout the ops' down product reads (a padded copy, or itself)
-            d["ffn_down_exps"] = _Mat(self.ops.repack(down.qtype, "down", down.raw), down.qtype, down.name)
             self.layers.append(d)
 
     # --- the step -------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from moerun.quant.qtensor import QTensor
 from moerun.quant.registry import dequantize
 
 DEFAULT_CHUNK = 2048
-ROUTERS = ("bmm", "triton", "torch")  # FastPrefill(router=...)
+ROUTERS = ("bmm", "torch")  # FastPrefill(router=...)
 GRAPH_STEP = 128  # prompt lengths are padded to a multiple of this for graph replay
 DEFAULT_GRAPH_MAX = 1024  # longest padded chunk replayed as a graph (longer ones amortise their launches)
 DENSE_MODES = ("dequant", "cached", "fused")  # FastPrefill's `dense` choices (besides "auto")
@@ -102,9 +102,9 @@ class FastPrefill:
         device's free memory, else "dequant".
         graph_max: longest (padded) first chunk replayed as a CUDA graph; 0 = never (CUDA only).
         router: how the router's float32 logits are computed: "bmm" (default) as split-K partial sums from one
-        batched cuBLAS matmul over column slices (enough tiles for every SM; `router_parts_mm`), "triton" as the
-        same partial sums from prefill_ops.router_parts, "torch" as one matmul; the top-k kernel adds the parts
-        in order."""
+        batched cuBLAS matmul over column slices (enough tiles for every SM; `router_parts_mm`), which the top-k
+        kernel adds in order, or "torch" as one matmul (16 tiles at 512 tokens: 0.243 vs 0.178 ms per OLMoE
+        prompt on the H200, NOTES.md 6l)."""
         self.spec, self.cfg, self.w, self.cache = spec, cfg, weights, cache
         self.exact = exact
         if experts not in ("fused", "dequant"):
@@ -200,8 +200,6 @@ class FastPrefill:
             wr = L["ffn_gate_inp"]  # [E, N] float32
             if self.router == "bmm":
                 logits = router_parts_mm(x, wr)  # [S, T, E] float32 partial sums, added in order by the top-k
-            elif self.router == "triton" and po.router_takes(wr):  # else (e.g. > 256 experts) one matmul
-                logits = po.router_parts(x, wr)  # [S, T, E] as bmm's
             else:
                 logits = x @ wr.T  # [T, E] float32
             K = cfg.n_expert_used

@@ -21,8 +21,8 @@ class TritonOps:
 
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
-    pad: the products in wmatvec.PAD (Q6_K down) read a word-aligned copy of their matrices (`repack`) on the
-    word kernels; False leaves them on the byte kernels and the file's rows."""
+    pad: the word-kernel products in wmatvec.PAD (the Q6_K output matrix) read a word-aligned copy of their
+    matrices (`repack`); False: the file's rows."""
 
     name = "triton"
 
@@ -40,8 +40,8 @@ class TritonOps:
         """The decode path of a weight type, for the bench's path column."""
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
-                     + (" padded" if (kd, qtype) in wk.PAD else "")
-                     for kd, table in wk.KERNELS.items() if qtype in table and self._padded_ok(kd, qtype)]
+                     + (" padded" if self.pad and (kd, qtype) in wk.PAD else "")
+                     for kd, table in wk.KERNELS.items() if qtype in table]
             if kinds == list(wk.KERNELS):  # every product, any size, the file's rows
                 return "triton-words"
             return f"triton+words({','.join(kinds)})"  # e.g. Q6_K: words for some products, bytes for the rest
@@ -50,19 +50,16 @@ class TritonOps:
     def perm(self, qtype: int, k: int, kind: str | None = None) -> bool:
         """Whether products of this type over K inputs (of `kind`: "mv", "gate_up", "down"; None: any) run on
         the word kernels (permuted activations)."""
-        if kind is None:
-            return any(self.perm(qtype, k, kd) for kd in wk.KERNELS)
-        return self.words and wk.supports(qtype, k, kind) and self._padded_ok(kind, qtype)
-
-    def _padded_ok(self, kind: str, qtype: int) -> bool:
-        """False where the word kernel wins only on padded rows and this ops does not pad."""
-        return self.pad or (kind, qtype) not in wk.PAD
+        return self.words and wk.supports(qtype, k, kind)
 
     def repack(self, qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
-        """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., row_bytes]): a word-aligned
-        copy where wmatvec.PAD says the word kernel needs it (1% more bytes; the file's rows stay for prefill
-        and the reference path), else w itself."""
-        return wk.pad_q6k(w) if self.words and self.pad and (kind, qtype) in wk.PAD else w
+        """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): a word-aligned
+        copy where a word kernel takes it and wmatvec.PAD says that is faster (1% more bytes; the file's rows
+        stay for prefill and the reference path), else w itself."""
+        if not (self.words and self.pad and (kind, qtype) in wk.PAD):
+            return w
+        k = w.shape[-1] // wk.ROW_BYTES[qtype] * 256
+        return wk.pad_q6k(w) if wk.supports(qtype, k, kind, w.shape[-2]) else w
 
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:

@@ -81,14 +81,14 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").words and not make_ops("triton-bytes").words
     assert make_ops("triton").kernel_name(12) == "triton-words"
     assert make_ops("triton").kernel_name(8) == "triton-words"
-    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384,gate_up,down padded)"
+    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384 padded,gate_up)"
     assert make_ops("triton-unpadded").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
-    w = torch.zeros(3, 5, 4 * 210, dtype=torch.uint8)  # Q6_K experts [E, N, row_bytes], F = 1024
-    assert make_ops("triton").repack(14, "down", w).shape == (3, 5, 4 * 212)
-    assert make_ops("triton").perm(14, 1024, "down") and not make_ops("triton-unpadded").perm(14, 1024, "down")
-    for name, kind in [("triton-unpadded", "down"), ("triton", "gate_up"), ("triton-bytes", "down")]:
-        assert make_ops(name).repack(14, kind, w) is w
-    assert make_ops("torch").repack(14, "down", w) is w
+    w = torch.zeros(16384, 8 * 210, dtype=torch.uint8)  # a Q6_K output-sized matrix, K = 2048
+    assert make_ops("triton").repack(14, "mv", w).shape == (16384, 8 * 212)
+    for name, qtype, kind, m in [("triton-unpadded", 14, "mv", w), ("triton-bytes", 14, "mv", w),
+                                 ("triton", 14, "mv", w[:2048]), ("triton", 14, "gate_up", w), ("triton", 8, "mv", w)]:
+        assert make_ops(name).repack(qtype, kind, m) is m, (name, qtype, kind, m.shape)
+    assert make_ops("torch").repack(14, "mv", w) is w
     assert make_ops("triton-bytes").kernel_name(12) == "triton"
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
@@ -113,18 +113,21 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")
 @pytest.mark.parametrize("ops", ["triton", "triton-unpadded"])
-def test_q6k_down_padded_in_the_step(ops: str, tmp_path: Path) -> None:
-    """A Q4_K_M mix (synth's tiny OLMoE: Q6_K down in layer 1, Q6_K output) through the fast step, with Q6_K
-    down on padded word-aligned copies (triton) or the byte kernel (triton-unpadded): reference logits."""
+def test_q6k_output_padded_in_the_step(ops: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_K_M mix (synth's tiny OLMoE: Q6_K output, attn_v and down in layer 1) through the fast step, the
+    Q6_K output matrix on the word kernel (its row threshold lowered to the tiny vocabulary) over a padded
+    word-aligned copy (triton) or the file's rows (triton-unpadded): reference logits."""
+    from moerun.kernels.triton import wmatvec as wk
     from moerun.synth import synthesize
 
+    monkeypatch.setitem(wk.MIN_ROWS, ("mv", 14), 512)
     path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
     synthesize("tiny-olmoe-1b-7b", "q4_k_m", path, progress=False)
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     tokens = [5, 17, 99, 3, 250, 8, 41, 7]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
-    assert eng.fast.layers[1]["ffn_down_exps"].raw.shape[-1] % (212 if ops == "triton" else 210) == 0
+    assert eng.fast.out_mat.qtype == 14 and eng.fast.out_mat.raw.shape[-1] % (212 if ops == "triton" else 210) == 0
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])

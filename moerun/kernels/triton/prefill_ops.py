@@ -207,70 +207,15 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _router_parts_kernel(x_ptr, w_ptr, part_ptr, T, N, E, x_st, w_st, SPAN: tl.constexpr, BT: tl.constexpr,
-                         BE: tl.constexpr, BK: tl.constexpr):
-    """Grid (cdiv(T, BT), S): program (i, s) -> part[s, rows, :] = x[rows, Ks] @ w[:, Ks]^T, Ks = columns
-    s SPAN .. (s + 1) SPAN (SPAN a multiple of BK) of N, in float32 ("ieee": no TF32). x: [T, N] f32 (row stride
-    x_st), w: [E, N] f32 (row stride w_st), part: [S, T, E] f32 contiguous."""
-    i, s = tl.program_id(0), tl.program_id(1)
-    rows = i * BT + tl.arange(0, BT)
-    e = tl.arange(0, BE)
-    kk = tl.arange(0, BK)
-    rmask, emask = rows < T, e < E
-    xp = x_ptr + rows[:, None].to(tl.int64) * x_st
-    wp = w_ptr + e[None, :] * w_st
-    acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for j in range(0, SPAN, BK):
-        k0 = s * SPAN + j
-        kmask = k0 + kk < N
-        xa = tl.load(xp + k0 + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK]
-        wb = tl.load(wp + k0 + kk[:, None], mask=emask[None, :] & kmask[:, None], other=0.0)  # [BK, BE]
-        acc = tl.dot(xa, wb, acc, input_precision="ieee")
-    dst = part_ptr + (s * T + rows[:, None]).to(tl.int64) * E + e[None, :]
-    tl.store(dst, acc, mask=rmask[:, None] & emask[None, :])
-
-
-ROUTER_BT, ROUTER_BK = 32, 64  # token rows and columns of N per step of `router_parts`
-ROUTER_MAX_E = 256  # experts one program's [ROUTER_BT, E] tile holds
+ROUTER_BT, ROUTER_MIN_SPAN = 32, 256  # token rows per tile of the router's product; fewest columns per slice
 
 
 def router_split(t: int, n: int, device: torch.device) -> int:
-    """Column splits of `router_parts` for T tokens over N: enough programs for every SM (at 512 tokens 16 row
-    blocks alone leave most idle: cuBLAS's float32 GEMM ran 16 tiles, NOTES.md 6j), each >= 4 steps of
-    ROUTER_BK."""
+    """Column slices of the router's split-K product (engine.fast_prefill.router_parts_mm) for T tokens over N:
+    enough 32-token tiles x slices for every SM (at 512 tokens one product is 16 tiles, NOTES.md 6j), each
+    slice >= ROUTER_MIN_SPAN columns."""
     row_blocks = triton.cdiv(t, ROUTER_BT)
-    return max(1, min(triton.cdiv(sm_count(device), row_blocks), n // (4 * ROUTER_BK)))
-
-
-def router_takes(w: torch.Tensor) -> bool:
-    """Whether `router_parts` takes this router matrix: float32 [E <= ROUTER_MAX_E, N], contiguous."""
-    return w.dim() == 2 and w.dtype == torch.float32 and w.is_contiguous() and w.shape[0] <= ROUTER_MAX_E
-
-
-def router_parts(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor | None = None, split: int | None = None
-                 ) -> torch.Tensor:
-    """The router's logits x @ w^T as S partial sums over column slices of N, for `route_topk_rows` to add
-    in order (fixed summation order: bit-identical run to run).
-
-    x: [T, N] f32 (stride(1) == 1), w: [E, N] f32 contiguous (E <= ROUTER_MAX_E) -> parts [S, T, E] f32 (given or new;
-    S = split, default `router_split`, or fewer where slices of whole ROUTER_BK steps need fewer). One launch of
-    cdiv(T, 32) x S programs. Returns parts."""
-    t, n = x.shape
-    e = w.shape[0]
-    if not router_takes(w) or w.shape[1] != n or x.stride(1) != 1:
-        raise ValueError(f"router_parts takes x [T, N] and a contiguous float32 w [E <= {ROUTER_MAX_E}, N], got "
-                         f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
-    split = split or router_split(t, n, x.device)
-    span = triton.cdiv(triton.cdiv(n, split), ROUTER_BK) * ROUTER_BK
-    split = triton.cdiv(n, span)  # no empty slices
-    if parts is None:
-        parts = torch.empty(split, t, e, device=x.device, dtype=torch.float32)
-    assert parts.shape == (split, t, e) and parts.is_contiguous(), f"parts must be [{split}, {t}, {e}] contiguous"
-    _router_parts_kernel[(triton.cdiv(t, ROUTER_BT), split)](x, w, parts, t, n, e, x.stride(0), w.stride(0),
-                                                             SPAN=span, BT=ROUTER_BT, BE=max(16, _np2(e)),
-                                                             BK=ROUTER_BK, num_warps=8 if e > 128 else 4)
-    return parts
+    return max(1, min(triton.cdiv(sm_count(device), row_blocks), n // ROUTER_MIN_SPAN))
 
 
 @triton.jit
@@ -295,7 +240,7 @@ def route_topk_rows(logits: torch.Tensor, k: int, renormalise: bool, weights_out
     """Per row: softmax over all E experts, top-k (descending, ties to the lower index), optional renormalisation
     (weights divided by their sum).
 
-    logits: [T, E] f32 (E <= 1024, stride(1) == 1), or [S, T, E] partial sums (`router_parts`) added in order ->
+    logits: [T, E] f32 (E <= 1024, stride(1) == 1), or [S, T, E] partial sums (split-K) added in order ->
     weights_out [T, k] f32, ids_out [T, k] int32 (both contiguous). One launch of T programs. Returns
     (weights_out, ids_out).
     """

@@ -684,11 +684,12 @@ moe_down_w8 = partial(_moe_down_x, Q8_0)
 KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
     "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6, Q8_0: qmatvec_w8},
     "gate_up": {Q4_K: moe_gate_up_w, Q6_K: moe_gate_up_w6, Q8_0: moe_gate_up_w8},
-    "down": {Q4_K: moe_down_w, Q6_K: moe_down_w6, Q8_0: moe_down_w8},
+    # Q6_K's (moe_down_w6) lost to the byte kernel (23.6 vs 21.8 us), on padded rows too (23.6): NOTES 7b, 7g
+    "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8},
 }
-# (kind, type) whose word kernel beats the byte kernel only on `pad_q6k`'s word-aligned rows (on the file's rows
-# Q6_K down measured 23.6 us against the byte kernel's 21.8, NOTES.md 7b): the decoder pads those at load.
-PAD: frozenset[tuple[str, int]] = frozenset({("down", Q6_K)})
+# (kind, type) whose word kernel runs faster on `pad_q6k`'s word-aligned copy than on the file's rows (the
+# 50304 x 2048 Q6_K output matrix: 60.4 -> 51.7 us on the H200, NOTES.md 7g): the decoder pads those at load.
+PAD: frozenset[tuple[str, int]] = frozenset({("mv", Q6_K)})
 # (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel (H200, NOTES.md 7b): the
 # Q6_K matvec wins on output-sized matrices only (60.3 vs 69.8 us at 50304 x 2048; 7.9 vs 5.7 at 2048 x 2048)
 MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
