@@ -38,6 +38,7 @@ from moerun.kernels import reference as ref
 from moerun.kernels.triton import prefill_ops as po
 from moerun.kernels.triton import qgemm as qg
 from moerun.kernels.triton.decode_ops import rope_table
+from moerun.kernels.triton.qmatvec import sm_count
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -370,17 +371,28 @@ class FastPrefill:
         return self._chunk(buf, 0, True, last)
 
 
+ROUTER_BT, ROUTER_MIN_SPAN = 32, 256  # token rows per tile of the router's product; fewest columns per slice
+
+
+def router_split(t: int, n: int, device: torch.device) -> int:
+    """Column slices of the router's split-K product (`router_parts_mm`) for T tokens over N: enough 32-token
+    tiles x slices for every SM (at 512 tokens one product is 16 tiles, NOTES.md 6j), each slice >=
+    ROUTER_MIN_SPAN columns."""
+    row_blocks = -(-t // ROUTER_BT)
+    return max(1, min(-(-sm_count(device) // row_blocks), n // ROUTER_MIN_SPAN))
+
+
 def router_parts_mm(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
     """The router's logits x @ w^T as S partial sums over column slices of N, from one batched matmul (at 512
     tokens a single [T, N] x [N, E] float32 product is 16 cuBLAS tiles for 132 SMs: NOTES.md 6j).
 
-    x: [T, N] f32 (stride(1) == 1), w: [E, N] f32 contiguous -> [S, T, E] f32, S = split (default
-    prefill_ops.router_split), reduced to a divisor of N."""
+    x: [T, N] f32, w: [E, N] f32 -> [S, T, E] f32, S = split (default `router_split`), reduced to a divisor of
+    N."""
     if x.stride(1) != 1:
         x = x.contiguous()
     t, n = x.shape
     e = w.shape[0]
-    s = split or po.router_split(t, n, x.device)
+    s = split or router_split(t, n, x.device)
     while n % s:
         s -= 1
     xs = x.as_strided((s, t, n // s), (n // s, x.stride(0), 1))  # [S, T, N/S] slice s of every row

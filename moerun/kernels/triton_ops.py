@@ -56,10 +56,11 @@ class TritonOps:
         """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): a word-aligned
         copy where a word kernel takes it and wmatvec.PAD says that is faster (1% more bytes; the file's rows
         stay for prefill and the reference path), else w itself."""
-        if not (self.words and self.pad and (kind, qtype) in wk.PAD):
+        copy = wk.PAD.get((kind, qtype)) if self.words and self.pad else None
+        if copy is None:
             return w
         k = w.shape[-1] // wk.ROW_BYTES[qtype] * 256
-        return wk.pad_q6k(w) if wk.supports(qtype, k, kind, w.shape[-2]) else w
+        return copy(w) if wk.supports(qtype, k, kind, w.shape[-2]) else w
 
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:

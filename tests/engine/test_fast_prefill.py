@@ -246,3 +246,15 @@ def test_router_parts_mm(t: int, n: int, e: int, split: int | None) -> None:
         want = x[:, j * width:(j + 1) * width].double() @ w[:, j * width:(j + 1) * width].double().T
         assert (parts[j].double() - want).abs().max() < 1e-4 * (1 + want.abs().max())
     assert torch.allclose(parts.sum(0), x @ w.T, rtol=1e-4, atol=1e-3)
+
+
+def test_router_split() -> None:
+    """Enough tiles x slices for every SM, slices of >= ROUTER_MIN_SPAN columns, at least one."""
+    from moerun.kernels.triton.qmatvec import sm_count
+
+    dev = torch.device(TEST_DEVICE)
+    sms = sm_count(dev)
+    for t, n in [(512, 2048), (4096, 2048), (7, 100), (64, 4096)]:
+        s = fast_prefill.router_split(t, n, dev)
+        assert 1 <= s and (s == 1 or n // s >= fast_prefill.ROUTER_MIN_SPAN)
+        assert s == max(1, min(-(-sms // -(-t // fast_prefill.ROUTER_BT)), n // fast_prefill.ROUTER_MIN_SPAN))

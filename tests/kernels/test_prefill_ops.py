@@ -194,12 +194,3 @@ def test_route_topk_rows_parts(gen: torch.Generator, t: int, e: int, s: int) -> 
     assert torch.equal(w1, w2) and torch.equal(id1, id2)
 
 
-def test_router_split() -> None:
-    """Enough tiles x slices for every SM, slices of >= ROUTER_MIN_SPAN columns, at least one."""
-    sms = ops.sm_count(torch.device(DEV))
-    for t, n in [(512, 2048), (4096, 2048), (7, 100), (64, 4096)]:
-        s = ops.router_split(t, n, torch.device(DEV))
-        assert 1 <= s and (s == 1 or n // s >= ops.ROUTER_MIN_SPAN)
-        assert s == max(1, min(-(-sms // -(-t // ops.ROUTER_BT)), n // ops.ROUTER_MIN_SPAN))
-
-

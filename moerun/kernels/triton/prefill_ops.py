@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.triton.decode_ops import QK_NORM_KINDS, ROPE_STYLES, _cast_store, _np2, rope_pairs, softmax_topk
-from moerun.kernels.triton.qmatvec import sm_count
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Residual add + RMSNorm
@@ -205,17 +204,6 @@ def qk_norm_rope_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ----------------------------------------------------------------------------------------------------------------------
 # Router: softmax + top-k per row
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-ROUTER_BT, ROUTER_MIN_SPAN = 32, 256  # token rows per tile of the router's product; fewest columns per slice
-
-
-def router_split(t: int, n: int, device: torch.device) -> int:
-    """Column slices of the router's split-K product (engine.fast_prefill.router_parts_mm) for T tokens over N:
-    enough 32-token tiles x slices for every SM (at 512 tokens one product is 16 tiles, NOTES.md 6j), each
-    slice >= ROUTER_MIN_SPAN columns."""
-    row_blocks = triton.cdiv(t, ROUTER_BT)
-    return max(1, min(triton.cdiv(sm_count(device), row_blocks), n // ROUTER_MIN_SPAN))
 
 
 @triton.jit

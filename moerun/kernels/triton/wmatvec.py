@@ -687,9 +687,9 @@ KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
     # Q6_K's (moe_down_w6) lost to the byte kernel (23.6 vs 21.8 us), on padded rows too (23.6): NOTES 7b, 7g
     "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8},
 }
-# (kind, type) whose word kernel runs faster on `pad_q6k`'s word-aligned copy than on the file's rows (the
-# 50304 x 2048 Q6_K output matrix: 60.4 -> 51.7 us on the H200, NOTES.md 7g): the decoder pads those at load.
-PAD: frozenset[tuple[str, int]] = frozenset({("mv", Q6_K)})
+# (kind, type) -> the load-time copy whose layout its word kernel reads faster than the file's rows (the 50304 x
+# 2048 Q6_K output matrix on `pad_q6k`'s word-aligned blocks: 60.4 -> 51.7 us on the H200, NOTES.md 7g)
+PAD: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {("mv", Q6_K): pad_q6k}
 # (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel (H200, NOTES.md 7b): the
 # Q6_K matvec wins on output-sized matrices only (60.3 vs 69.8 us at 50304 x 2048; 7.9 vs 5.7 at 2048 x 2048)
 MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
