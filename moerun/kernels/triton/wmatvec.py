@@ -138,11 +138,11 @@ def _scale_min(h1, h2, h3, j):
 
 
 @triton.jit
-def _x_tiles(x_ptr, kb, NB: tl.constexpr):
-    """The permuted x of blocks kb .. kb+NB-1 as 8 tiles [NB, 4, 8], one per nibble position n = 2k + h
-    (word (c, tt)'s weight at bit 8k + 4h), and the sums of x per sub-block 2c (low) and 2c + 1 (high) [NB, 4]."""
-    blk = kb + tl.arange(0, NB)
-    xo = blk[:, None, None] * 256 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+def _x_tiles(x_ptr, xb):
+    """The permuted x of the 256-blocks starting at elements xb [NB] as 8 tiles [NB, 4, 8], one per nibble
+    position n = 2k + h (word (c, tt)'s weight at bit 8k + 4h), and the sums of x per sub-block 2c (low) and
+    2c + 1 (high) [NB, 4]."""
+    xo = xb[:, None, None] + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     xs = ()
     for n in tl.static_range(8):
         xs = xs + (tl.load(x_ptr + xo + 64 * (n // 2) + 8 * (n % 2)),)
@@ -152,11 +152,11 @@ def _x_tiles(x_ptr, kb, NB: tl.constexpr):
 
 
 @triton.jit
-def _row_step(wp, off, ok, kb, xs, sum_lo, sum_hi, scale, acc, accm, fq_mask, fq_one, NB: tl.constexpr):
-    """One row's blocks kb .. kb+NB-1: acc [NB, 4, 8] += 16 d sc sum f x per word, accm [NB, 4] += (16 d sc +
+def _row_step(wp, off, ok, blk, xs, sum_lo, sum_hi, scale, acc, accm, fq_mask, fq_one):
+    """One row's blocks blk [NB]: acc [NB, 4, 8] += 16 d sc sum f x per word, accm [NB, 4] += (16 d sc +
     dmin m) sum x per sub-block pair; the row's dot product is sum(acc) - sum(accm). `off`: the row's first
-    word from wp (int32), `ok`: the row exists, `scale`: a factor folded into both (a routing weight, or 1)."""
-    blk = kb + tl.arange(0, NB)
+    word from wp (int32; or [NB]: each block's own row, e.g. of another expert), `ok`: the row exists,
+    `scale` [NB]: a factor folded into both (a routing weight, or 1)."""
     bo = off + blk * 36  # [NB]
     c = tl.arange(0, 4)
     t = c[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8] qs word 8c + tt
@@ -198,12 +198,13 @@ def _rows_dot(wp, row0, M, x_ptr, scale, accs, accms, fq_mask, fq_one,
     into accs/accms."""
     SW: tl.constexpr = 36 * N_BLOCKS
     for kb in range(0, N_BLOCKS, NB):
-        xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
+        blk = kb + tl.arange(0, NB)
+        xs, sum_lo, sum_hi = _x_tiles(x_ptr, blk * 256)
         new_accs = ()
         new_accms = ()
         for r in tl.static_range(R):
-            a, am = _row_step(wp, r * SW, row0 + r < M, kb, xs, sum_lo, sum_hi, scale, accs[r], accms[r],
-                              fq_mask, fq_one, NB)
+            a, am = _row_step(wp, r * SW, row0 + r < M, blk, xs, sum_lo, sum_hi, scale, accs[r], accms[r],
+                              fq_mask, fq_one)
             new_accs = new_accs + (a,)
             new_accms = new_accms + (am,)
         accs = new_accs
@@ -224,7 +225,8 @@ def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, fq_mask, fq_one,
     row0 = tl.program_id(0) * R
     wp = w_ptr + row0.to(tl.int64) * SW
     accs, accms = _zeros_rows(R, NB)
-    accs, accms = _rows_dot(wp, row0, M, x_ptr, 1.0, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
+    accs, accms = _rows_dot(wp, row0, M, x_ptr, tl.full([NB], 1.0, tl.float32), accs, accms, fq_mask, fq_one,
+                            N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _total(accs[r], accms[r])
@@ -257,18 +259,20 @@ def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stri
     wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
     ga, gm = _zeros_rows(R, NB)
     ua, um = _zeros_rows(R, NB)
+    one = tl.full([NB], 1.0, tl.float32)
     for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
-        xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
+        blk = kb + tl.arange(0, NB)
+        xs, sum_lo, sum_hi = _x_tiles(x_ptr, blk * 256)
         nga = ()
         ngm = ()
         nua = ()
         num = ()
         for r in tl.static_range(R):
             ok = row0 + r < F
-            a, am = _row_step(wg, r * SW, ok, kb, xs, sum_lo, sum_hi, 1.0, ga[r], gm[r], fq_mask, fq_one, NB)
+            a, am = _row_step(wg, r * SW, ok, blk, xs, sum_lo, sum_hi, one, ga[r], gm[r], fq_mask, fq_one)
             nga = nga + (a,)
             ngm = ngm + (am,)
-            a, am = _row_step(wu, r * SW, ok, kb, xs, sum_lo, sum_hi, 1.0, ua[r], um[r], fq_mask, fq_one, NB)
+            a, am = _row_step(wu, r * SW, ok, blk, xs, sum_lo, sum_hi, one, ua[r], um[r], fq_mask, fq_one)
             nua = nua + (a,)
             num = num + (am,)
         ga, gm, ua, um = nga, ngm, nua, num
@@ -290,8 +294,8 @@ def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e,
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
         wp = w_ptr + eid * stride_e + row0.to(tl.int64) * SW
-        accs, accms = _rows_dot(wp, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs, accms,
-                                fq_mask, fq_one, N_BLOCKS, R, NB)
+        wt = tl.zeros([NB], tl.float32) + tl.load(wts_ptr + i)
+        accs, accms = _rows_dot(wp, row0, N, h_ptr + i * stride_h, wt, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _total(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
@@ -417,19 +421,18 @@ def _f6(ql, vs, P: tl.constexpr):
 
 
 @triton.jit
-def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
-    """Permuted x of groups kb .. kb+NB-1 as the type's tiles: 8 tiles (index 2k + n) and, for Q6_K, the
-    per-word sums of x of the low and high nibbles (zeros for Q8_0)."""
-    blk = kb + tl.arange(0, NB)
+def _xt(QT: tl.constexpr, x_ptr, xb):
+    """Permuted x of the 256-weight groups starting at elements xb [NB] as the type's tiles: 8 tiles (index
+    2k + n) and, for Q6_K, the per-word sums of x of the low and high nibbles (zeros for Q8_0)."""
     xs = ()
     if QT == 14:  # [NB, 2 (h), 16 (tt)] at 64k + 32h + 16n + tt
-        xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+        xo = xb[:, None, None] + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
         for j in tl.static_range(8):
             xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 16 * (j % 2)),)
         lo = xs[0] + xs[2] + xs[4] + xs[6]
         hi = xs[1] + xs[3] + xs[5] + xs[7]
     else:  # [NB, 4 (p), 8 (i)] at 64k + 16p + 8h + i
-        xo = blk[:, None, None] * 256 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        xo = xb[:, None, None] + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
         for j in tl.static_range(8):
             xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 8 * (j % 2)),)
         lo = 0.0
@@ -438,12 +441,12 @@ def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
 
 
 @triton.jit
-def _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
-    """One Q6_K row's groups kb..: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble.
-    off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at 2 off); GU:
-    halfwords per block (105 as in the file, 106 padded: every block word-aligned)."""
+def _q6k_step(wp, hp, bp, off, ok, blk, xt, scale, acc, GU: tl.constexpr):
+    """One Q6_K row's groups blk [NB]: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble,
+    times scale [NB]. off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at
+    2 off; or [NB], each group's own row); GU: halfwords per block (105 as in the file, 106 padded: every
+    block word-aligned)."""
     xs, xs_lo, xs_hi = xt
-    blk = kb + tl.arange(0, NB)
     bo = off + blk * GU  # [NB] first halfword of each block
     h = tl.arange(0, 2)[None, :, None]
     tt = tl.arange(0, 16)[None, None, :]
@@ -467,11 +470,11 @@ def _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.
 
 
 @triton.jit
-def _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
-    """One Q8_0 row's groups kb..: acc [NB, 4, 8] += d0 sum_k q0 x + d1 sum_k q1 x per word position.
-    off: the row's first word from wp."""
+def _q8_0_step(wp, off, ok, blk, xt, scale, acc):
+    """One Q8_0 row's groups blk [NB]: acc [NB, 4, 8] += d0 sum_k q0 x + d1 sum_k q1 x per word position,
+    times scale [NB]. off: the row's first word from wp (or [NB], each group's own row)."""
     xs, _lo, _hi = xt
-    go = off + (kb + tl.arange(0, NB)) * 68  # [NB] first word of each group
+    go = off + blk * 68  # [NB] first word of each group
     pw = go[:, None, None] + 17 * tl.arange(0, 4)[None, :, None]  # [NB, 4, 1] block pair starts
     i = tl.arange(0, 8)[None, None, :]
     a = tl.load(wp + pw + i, mask=ok, other=0)  # W[i]     [NB, 4, 8]
@@ -479,17 +482,18 @@ def _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
     c = tl.load(wp + pw + 9 + i, mask=ok, other=0)  # W[9 + i]: block 1
     p0 = _i8f(a, 16) * xs[0] + _i8f(a, 24) * xs[2] + _i8f(b, 0) * xs[4] + _i8f(b, 8) * xs[6]
     p1 = _i8f(c, 0) * xs[1] + _i8f(c, 8) * xs[3] + _i8f(c, 16) * xs[5] + _i8f(c, 24) * xs[7]
-    d0 = _half(tl.load(wp + pw, mask=ok, other=0)) * scale  # [NB, 4, 1]
-    d1 = _half(tl.load(wp + pw + 8, mask=ok, other=0) >> 16) * scale
+    s3 = scale[:, None, None]
+    d0 = _half(tl.load(wp + pw, mask=ok, other=0)) * s3  # [NB, 4, 1]
+    d1 = _half(tl.load(wp + pw + 8, mask=ok, other=0) >> 16) * s3
     return acc + d0 * p0 + d1 * p1
 
 
 @triton.jit
-def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
+def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, blk, xt, scale, acc, GU: tl.constexpr):
     if QT == 14:
-        acc = _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, GU)
+        acc = _q6k_step(wp, hp, bp, off, ok, blk, xt, scale, acc, GU)
     else:
-        acc = _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB)
+        acc = _q8_0_step(wp, off, ok, blk, xt, scale, acc)
     return acc
 
 
@@ -527,11 +531,12 @@ def _xrows_dot(QT: tl.constexpr, wp, hp, bp, lead, row0, M, x_ptr, scale, accs, 
     """accs[r] += row row0 + r's products with x over all K (rows of GU N_BLOCKS units from the views, the
     first at unit `lead`)."""
     for kb in range(0, N_BLOCKS, NB):
-        xt = _xt(QT, x_ptr, kb, NB)
+        blk = kb + tl.arange(0, NB)
+        xt = _xt(QT, x_ptr, blk * 256)
         new = ()
         for r in tl.static_range(R):
-            new = new + (_xstep(QT, wp, hp, bp, lead + r * (GU * N_BLOCKS), row0 + r < M, kb, xt, scale,
-                                accs[r], NB, GU),)
+            new = new + (_xstep(QT, wp, hp, bp, lead + r * (GU * N_BLOCKS), row0 + r < M, blk, xt, scale,
+                                accs[r], GU),)
         accs = new
     return accs
 
@@ -542,7 +547,8 @@ def _wmvx_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M, QT: tl.co
     """Grid (cdiv(M, R),). The matrix as int32 / int16 / int8 views of its bytes; x: permuted f32 [K]."""
     row0 = tl.program_id(0) * R
     wp, hp, bp, lead = _xbase(QT, w32_ptr, w16_ptr, w8_ptr, row0.to(tl.int64) * (GU * N_BLOCKS))
-    accs = _xrows_dot(QT, wp, hp, bp, lead, row0, M, x_ptr, 1.0, _xzeros(QT, R, NB), GU, N_BLOCKS, R, NB)
+    accs = _xrows_dot(QT, wp, hp, bp, lead, row0, M, x_ptr, tl.full([NB], 1.0, tl.float32), _xzeros(QT, R, NB),
+                      GU, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _sum3(accs[r])
@@ -564,14 +570,16 @@ def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr,
     up, uh, ub, ulead = _xbase(QT, u32_ptr, u16_ptr, u8_ptr, eid * stride_ue + first)
     ga = _xzeros(QT, R, NB)
     ua = _xzeros(QT, R, NB)
+    one = tl.full([NB], 1.0, tl.float32)
     for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
-        xt = _xt(QT, x_ptr, kb, NB)
+        blk = kb + tl.arange(0, NB)
+        xt = _xt(QT, x_ptr, blk * 256)
         nga = ()
         nua = ()
         for r in tl.static_range(R):
             ok = row0 + r < F
-            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ga[r], NB, GU),)
-            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ua[r], NB, GU),)
+            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, blk, xt, one, ga[r], GU),)
+            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, blk, xt, one, ua[r], GU),)
         ga, ua = nga, nua
     for r in tl.static_range(R):
         _store_h(out_ptr + sel * stride_out, row0 + r, F, _sum3(ga[r]), _sum3(ua[r]), ACT, PERM_OUT)
@@ -588,7 +596,8 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
         wp, hp, bp, lead = _xbase(QT, w32_ptr, w16_ptr, w8_ptr, eid * stride_e + row0.to(tl.int64) * (GU * N_BLOCKS))
-        accs = _xrows_dot(QT, wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs,
+        wt = tl.zeros([NB], tl.float32) + tl.load(wts_ptr + i)
+        accs = _xrows_dot(QT, wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, wt, accs,
                           GU, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
