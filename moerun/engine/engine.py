@@ -189,9 +189,9 @@ class Engine:
         self._check(1, self.n_past)
         if not 0 <= token < self.cfg.n_vocab:
             raise self._out_of_vocab(token)
-        next_id = self.fast.run(token, self.n_past)
+        next_id = self.fast.decode(token, self.n_past)
         self.n_past += 1
-        return int(next_id.item())
+        return next_id
 
     def _choose(self, logits: torch.Tensor) -> int:
         """logits: [V] -> the chosen token id (greedy, or the sampler's draw)."""

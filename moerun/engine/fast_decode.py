@@ -100,6 +100,7 @@ class FastDecoder:
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._chained: tuple[int, int] | None = None  # (token, pos) the device inputs already hold
         self.use_graph = use_graph and dev.type == "cuda"
 
     def _weights(self, w: ModelWeights) -> None:
@@ -183,7 +184,7 @@ class FastDecoder:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm)
 
     def _step(self) -> None:
-        """One token: tok at pos -> logits, next_id; writes the KV cache at pos."""
+        """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""
         cfg = self.cfg
         self._embed()
         for i, L in enumerate(self.layers):
@@ -194,17 +195,20 @@ class FastDecoder:
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)
+        chain = (self.tok, self.pos, self.kv_len)  # the next step's inputs, set on the device
         if self.sampler is None:
-            self.ops.argmax(self.logits, self.next_id)
+            self.ops.argmax(self.logits, self.next_id, chain=chain)
         else:
             self.sampler.sample(self.logits, self.next_id)
+            self.ops.advance(self.next_id, *chain)
 
-    def _capture(self) -> None:
+    def _capture(self, token: int, pos: int) -> None:
         state = self.sampler.save_state() if self.sampler is not None else None
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):  # warm up (Triton compiles, allocator settles)
+            for _ in range(2):  # warm up (Triton compiles, allocator settles), both at (token, pos)
+                self._inputs(token, pos)
                 self._step()
         torch.cuda.current_stream().wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
@@ -215,15 +219,30 @@ class FastDecoder:
         self._graph_key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
 
     def run(self, token: int, pos: int) -> torch.Tensor:
-        """Queue one step for `token` at `pos` (no host sync); returns the device next-id buffer [1]."""
+        """Queue one step for `token` at `pos` (no host sync); returns the device next-id buffer [1].
+        The input buffers are written from the host only when the last step (`decode`) did not already
+        leave them there: a chain of decode steps launches nothing but the graph."""
+        if self.use_graph:
+            key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
+            if self.graph is None or key != self._graph_key:
+                self._capture(token, pos)  # its warm-up steps run this very step (and move the inputs on)
+                self._chained = None
+        if self._chained != (token, pos):
+            self._inputs(token, pos)
+        self._chained = None
+        if self.use_graph:
+            self.graph.replay()
+        else:
+            self._step()
+        return self.next_id
+
+    def decode(self, token: int, pos: int) -> int:
+        """One step for `token` at `pos` -> the chosen next token (the host waits for it)."""
+        nid = int(self.run(token, pos).item())
+        self._chained = (nid, pos + 1)  # what the step left in tok / pos on the device
+        return nid
+
+    def _inputs(self, token: int, pos: int) -> None:
         self.tok.fill_(token)
         self.pos.fill_(pos)
         self.kv_len.fill_(pos + 1)
-        if not self.use_graph:
-            self._step()
-            return self.next_id
-        key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
-        if self.graph is None or key != self._graph_key:
-            self._capture()  # its warm-up steps run this very step, so the replay below only repeats it
-        self.graph.replay()
-        return self.next_id

@@ -124,9 +124,20 @@ class TorchOps:
         ids_out.copy_(ids[0])
 
     @staticmethod
-    def argmax(logits: torch.Tensor, out_id: torch.Tensor) -> None:
-        """logits [V] -> out_id [1] int64 (the first maximum)."""
+    def argmax(logits: torch.Tensor, out_id: torch.Tensor,
+               chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """logits [V] -> out_id [1] int64 (the first maximum); chain: (tok, pos, kv_len) [1] buffers of the next
+        step, see `advance`."""
         out_id.copy_(logits.argmax().view(1))
+        if chain is not None:
+            TorchOps.advance(out_id, *chain)
+
+    @staticmethod
+    def advance(next_id: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, kv_len: torch.Tensor) -> None:
+        """The next decode step's inputs on the device: tok = next_id, pos += 1, kv_len += 1 ([1] int64 each)."""
+        tok.copy_(next_id)
+        pos.add_(1)
+        kv_len.add_(1)
 
     @staticmethod
     def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,

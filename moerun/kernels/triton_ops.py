@@ -136,9 +136,12 @@ class TritonOps:
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, q.device)
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, out_perm=out_perm)
 
-    def argmax(self, logits: torch.Tensor, out_id: torch.Tensor) -> None:
+    def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
+               chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         key = (logits.shape[-1], logits.device)
         scratch = self._argmax_scratch.get(key)
         if scratch is None:
             scratch = self._argmax_scratch[key] = dk.argmax_scratch(logits.shape[-1], logits.device)
-        dk.argmax(logits, out_id, scratch)
+        dk.argmax(logits, out_id, scratch, chain=chain)
+
+    advance = staticmethod(TorchOps.advance)

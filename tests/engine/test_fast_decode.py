@@ -53,6 +53,25 @@ def test_fast_steps_match_reference(model_file, ops: str, graph: bool) -> None:
         assert next_id == int(eng.fast.logits.argmax())
 
 
+@pytest.mark.parametrize("graph", GRAPH, ids=lambda g: "graph" if g else "eager")
+@pytest.mark.parametrize("ops", OPS)
+def test_chained_steps_match_reference(model_file, ops: str, graph: bool) -> None:
+    """Each step fed the token it chose: its inputs come from the step before on the device (no host writes);
+    a token the caller changes, or a rewound position, is written from the host again."""
+    path, tokens = model_file
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    ref_tokens = Engine(path, fast=False, **kw).generate_greedy(tokens[:3], 8)
+    eng = Engine(path, fast=True, ops=ops, graph=graph, **kw)
+    assert list(eng.generate(tokens[:3], 8)) == ref_tokens
+    eng.reset()
+    eng.prefill(tokens[:3])
+    first = eng.decode(tokens[3])  # not the token the last step chose
+    eng.n_past = 3  # rewind: the same position and token again
+    assert eng.decode(tokens[3]) == first
+    full = Engine(path, fast=False, **kw).forward(tokens[:4])
+    assert rel_err(eng.fast.logits, full[3]) < 1e-4
+
+
 def test_generate_same_tokens_fast_and_reference(model_file) -> None:
     path, tokens = model_file
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")

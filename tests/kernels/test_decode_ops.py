@@ -181,3 +181,11 @@ def test_argmax(gen: torch.Generator, v: int) -> None:
         ops.argmax(logits, out, scratch)
         assert int(out) == first
         logits[idx] = 0.0
+
+
+def test_argmax_chains_the_next_step(gen: torch.Generator) -> None:
+    """chain=(tok, pos, kv_len): the chosen id also becomes the next step's token, and both counters move on."""
+    logits = randn(gen, 5000)
+    tok, pos, kv_len, out = (torch.tensor([v], device=DEV, dtype=torch.int64) for v in (-1, 41, 42, -1))
+    ops.argmax(logits, out, ops.argmax_scratch(5000, DEV), chain=(tok, pos, kv_len))
+    assert int(out) == int(tok) == int(torch.argmax(logits)) and (int(pos), int(kv_len)) == (42, 43)

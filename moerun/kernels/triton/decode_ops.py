@@ -464,24 +464,36 @@ def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, P, BLOCK_P: tl.constexpr):
-    """One program: the first chunk holding the global max gives the index. val, idx: [P] -> out [1] int64."""
+def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P: tl.constexpr,
+                          CHAIN: tl.constexpr):
+    """One program: the first chunk holding the global max gives the index. val, idx: [P] -> out [1] int64;
+    with CHAIN also tok = out, pos += 1, len += 1 ([1] int64 each: the next decode step's inputs)."""
     p = tl.arange(0, BLOCK_P)
     v = tl.load(val_ptr + p, mask=p < P, other=-float("inf"))
     m = tl.max(v, 0)
     first = tl.min(tl.where((v == m) & (p < P), p, BLOCK_P), 0)
-    tl.store(out_ptr, tl.load(idx_ptr + first).to(tl.int64))
+    best = tl.load(idx_ptr + first).to(tl.int64)
+    tl.store(out_ptr, best)
+    if CHAIN:
+        tl.store(tok_ptr, best)
+        tl.store(pos_ptr, tl.load(pos_ptr) + 1)
+        tl.store(len_ptr, tl.load(len_ptr) + 1)
 
 
 def argmax(logits: torch.Tensor, out_id: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor],
-           chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+           chunk: int = ARGMAX_CHUNK,
+           chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """First index of the maximum. logits: [V] f32 -> out_id [1] int64 (device); scratch from argmax_scratch.
+    chain: (tok, pos, kv_len) [1] int64 device buffers, set for the next decode step: tok = the index,
+    pos += 1, kv_len += 1 (no extra launch).
 
     Two launches: ceil(V / chunk) chunk programs, then one reduce program. (NaN logits are not handled.)
     """
     v = logits.shape[-1]
     vals, idx = scratch
     p = vals.shape[0]
+    tok, pos, kv_len = chain if chain is not None else (out_id, out_id, out_id)
     _argmax_chunk_kernel[(p,)](logits, vals, idx, v, CHUNK=chunk, num_warps=8)
-    _argmax_reduce_kernel[(1,)](vals, idx, out_id, p, BLOCK_P=_np2(p), num_warps=4)
+    _argmax_reduce_kernel[(1,)](vals, idx, out_id, tok, pos, kv_len, p, BLOCK_P=_np2(p), CHAIN=chain is not None,
+                                num_warps=4)
     return out_id

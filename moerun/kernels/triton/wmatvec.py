@@ -54,12 +54,15 @@ FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
 
 
 class WTile(NamedTuple):
-    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, software-pipelining stages."""
+    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, software-pipelining stages; for
+    down products, `tiled`: all selected experts' blocks in one tile (the program's warps split them, every
+    expert's loads in flight at once) instead of a loop over the experts."""
 
     rows: int
     nb: int
     num_warps: int = 1
     num_stages: int = 2
+    tiled: bool = False
 
 
 # Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
@@ -302,7 +305,53 @@ def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e,
         tl.store(out_ptr + row, v, mask=row < N)
 
 
+@triton.jit
+def _experts_of(ids_ptr, wts_ptr, N_SEL: tl.constexpr, E: tl.constexpr, NB: tl.constexpr):
+    """Per tile block j < E NB (expert slot j // NB, E >= N_SEL a power of two): its slot (the last real one
+    for padding slots), expert id and routing weight (0 for padding slots)."""
+    j = tl.arange(0, E * NB)
+    slot = tl.minimum(j // NB, N_SEL - 1)
+    wt = tl.where(j // NB < N_SEL, tl.load(wts_ptr + slot), 0.0)
+    return j, slot, tl.load(ids_ptr + slot), wt
+
+
+@triton.jit
+def _wdown_tiled_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h, fq_mask, fq_one,
+                        N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
+                        NB: tl.constexpr):
+    """`_wdown_kernel` with every selected expert's blocks in one tile [E NB, 4, 8] (word offsets from w_ptr in
+    int32: the wrapper checks they fit), so all experts' loads are in flight at once and the program's warps
+    split the experts; summed by one fixed-order tile reduction (bit-identical run to run, not to the loop)."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    row0 = tl.program_id(0) * R
+    j, slot, eid, wt = _experts_of(ids_ptr, wts_ptr, N_SEL, E, NB)
+    off = eid * stride_e + row0 * SW  # [E NB] each block's expert row row0
+    accs, accms = _zeros_rows(R, E * NB)
+    for kb in range(0, N_BLOCKS, NB):
+        blk = kb + j % NB
+        xs, sum_lo, sum_hi = _x_tiles(h_ptr, slot * stride_h + blk * 256)
+        new_accs = ()
+        new_accms = ()
+        for r in tl.static_range(R):
+            a, am = _row_step(w_ptr, off + r * SW, row0 + r < N, blk, xs, sum_lo, sum_hi, wt, accs[r], accms[r],
+                              fq_mask, fq_one)
+            new_accs = new_accs + (a,)
+            new_accms = new_accms + (am,)
+        accs = new_accs
+        accms = new_accms
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _total(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < N)
+
+
 # ---------------------------------------------------------------------------------------------- wrappers
+
+
+def _tiled(t: WTile, w: torch.Tensor) -> bool:
+    """Whether a down product runs expert-tiled: the tile asks for it and every offset into w (in its element
+    units) fits in int32."""
+    return t.tiled and w.numel() < 2**31
 
 
 def _words(w: torch.Tensor, k: int) -> torch.Tensor:
@@ -362,10 +411,14 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     t = wtile_for("down", n, f, n, w_down.device, tile)
     ww = _words(w_down, f)
-    _wdown_kernel[(triton.cdiv(n, t.rows),)](
-        ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
-        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+    args = (ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE)
+    if _tiled(t, ww):
+        _wdown_tiled_kernel[(triton.cdiv(n, t.rows),)](
+            *args, N_BLOCKS=f // 256, N_SEL=n_sel, E=triton.next_power_of_2(n_sel), R=t.rows, NB=t.nb,
+            num_warps=t.num_warps, num_stages=t.num_stages)
+    else:
+        _wdown_kernel[(triton.cdiv(n, t.rows),)](
+            *args, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
@@ -605,6 +658,30 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
         tl.store(out_ptr + row, v, mask=row < N)
 
 
+@triton.jit
+def _wdownx_tiled_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h,
+                         QT: tl.constexpr, GU: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                         E: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """`_wdownx_kernel` with every selected expert's groups in one tile (as `_wdown_tiled_kernel`; unit offsets
+    from the views' start in int32)."""
+    row0 = tl.program_id(0) * R
+    j, slot, eid, wt = _experts_of(ids_ptr, wts_ptr, N_SEL, E, NB)
+    off = eid * stride_e + row0 * (GU * N_BLOCKS)  # [E NB]
+    accs = _xzeros(QT, R, E * NB)
+    for kb in range(0, N_BLOCKS, NB):
+        blk = kb + j % NB
+        xt = _xt(QT, h_ptr, slot * stride_h + blk * 256)
+        new = ()
+        for r in tl.static_range(R):
+            new = new + (_xstep(QT, w32_ptr, w16_ptr, w8_ptr, off + r * (GU * N_BLOCKS), row0 + r < N, blk, xt, wt,
+                                accs[r], GU),)
+        accs = new
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _sum3(accs[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < N)
+
+
 def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
     """int32 / int16 / int8 views of Q6_K or Q8_0 rows (uint8 [..., ROW_BYTES K / 256], or Q6_K padded by
     `pad_q6k` to PADDED_BYTES; contiguous, 4-byte aligned start), the stride of the leading (expert) dimension
@@ -674,10 +751,15 @@ def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.T
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     views, se, gu = _views(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile)
-    _wdownx_kernel[(triton.cdiv(n, t.rows),)](
-        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=gu,
-        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+    args = (*views, hp, ids, weights, residual, out, n, se, hp.stride(0))
+    if _tiled(t, views[2]):
+        _wdownx_tiled_kernel[(triton.cdiv(n, t.rows),)](
+            *args, QT=qtype, GU=gu, N_BLOCKS=f // 256, N_SEL=n_sel, E=triton.next_power_of_2(n_sel), R=t.rows,
+            NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages)
+    else:
+        _wdownx_kernel[(triton.cdiv(n, t.rows),)](
+            *args, QT=qtype, GU=gu, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps,
+            num_stages=t.num_stages)
     return out
 
 
