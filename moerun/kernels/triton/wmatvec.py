@@ -74,6 +74,9 @@ MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate
 # 13.7) and for gate/up (13.2 vs 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
 MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4}  # measured for Q4_K; Q6_K and Q8_0 use the same (unmeasured)
 PROGRAMS_PER_SM = 4
+# Down products read 8 experts' rows per output row: looping over them left ~8 one-warp programs (~9 KB of loads)
+# in flight per SM; tiled, a program's warps load every expert's blocks at once (prediction: NOTES.md 7h)
+DOWN_TILED, DOWN_WARPS = True, 4
 
 
 def _fit_nb(nb: int, n_blocks: int) -> int:
@@ -86,10 +89,13 @@ def _fit_nb(nb: int, n_blocks: int) -> int:
 
 def default_wtile(kind: str, m: int, k: int, n_rows: int, device: torch.device) -> WTile:
     """One warp, MAX_NB blocks per step; rows per program: the largest power of two <= MAX_ROWS[kind] that still
-    leaves PROGRAMS_PER_SM programs per SM (n_rows: rows of all the program groups, e.g. 8 experts x F)."""
+    leaves PROGRAMS_PER_SM programs per SM (n_rows: rows of all the program groups, e.g. 8 experts x F).
+    Down products: every selected expert in one tile over DOWN_WARPS warps (DOWN_TILED)."""
     r = 1
     while r * 2 <= MAX_ROWS[kind] and n_rows // (r * 2) >= PROGRAMS_PER_SM * sm_count(device):
         r *= 2
+    if kind == "down" and DOWN_TILED:
+        return WTile(r, MAX_NB, DOWN_WARPS, 2, True)
     return WTile(r, MAX_NB, 1, 2)
 
 
