@@ -93,9 +93,9 @@ for stage in "$@"; do
       timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
       timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager 2>&1 | grep -v "loading to" | head -18 \
         | tee -a "$LOG"
-      for tree in old new old new; do
-        if [ $tree = old ]; then pp=$PWD/abtree/old:/tmp/site; else pp=$PWD:/tmp/site; fi
-        PYTHONPATH=$pp bench "$f" "olmoe-1b-7b-$t-$tree-tg" -p 0 -n 128 -r 5 -d ${DEPTHS:-0}
+      for tree in old new old new; do  # python -m puts the working directory first on sys.path: run from the tree
+        d=$PWD; [ $tree = old ] && d=$PWD/abtree/old
+        (cd "$d" && PYTHONPATH=$d:/tmp/site bench "$f" "olmoe-1b-7b-$t-$tree-tg" -p 0 -n 128 -r 5 -d ${DEPTHS:-0})
       done
       rm -f "$f" ;;
     tg:*|pp:*)  # just the bench: tg128 (words and depth 4096) or pp512 of OLMoE
