@@ -29,8 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 Q4_K, Q6_K, Q8_0 = int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)
 WORDS = [T.Q4_K, T.Q6_K, T.Q8_0]
 TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(8, 1, 2, 2)]  # default, and odd combinations
-# down products also with every selected expert in one tile (3 experts: a padding slot in the tile of 4)
-DOWN_TILES = TILES + [wk.WTile(2, 4, 4, 2, True), wk.WTile(1, 1, 2, 1, True), wk.WTile(4, 2, 1, 1, True)]
 
 
 def test_permutation() -> None:
@@ -98,7 +96,7 @@ def test_moe_gate_up_w_perm_out_needs_whole_blocks(qtype, size, device) -> None:
                                           torch.zeros(1, 37, device=device), perm_out=True)
 
 
-@pytest.mark.parametrize("tile", DOWN_TILES, ids=str)
+@pytest.mark.parametrize("tile", TILES, ids=str)
 @pytest.mark.parametrize("qtype,f,padded", [(T.Q4_K, 768, False), (T.Q6_K, 768, False), (T.Q6_K, 512, False),
                                             (T.Q6_K, 768, True), (T.Q8_0, 768, False)], ids=str)
 def test_moe_down_w(qtype, f, padded, tile, device, rng) -> None:

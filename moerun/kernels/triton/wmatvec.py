@@ -54,15 +54,12 @@ FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
 
 
 class WTile(NamedTuple):
-    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, software-pipelining stages; for
-    down products, `tiled`: all selected experts' blocks in one tile (the program's warps split them, every
-    expert's loads in flight at once) instead of a loop over the experts."""
+    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, software-pipelining stages."""
 
     rows: int
     nb: int
     num_warps: int = 1
     num_stages: int = 2
-    tiled: bool = False
 
 
 # Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
@@ -74,9 +71,6 @@ MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate
 # 13.7) and for gate/up (13.2 vs 14.3 at 4); 4 for the 50304-row output matrix (33.9 us vs 39.7 at 2).
 MAX_ROWS = {"mv": 4, "gate_up": 2, "down": 4}  # measured for Q4_K; Q6_K and Q8_0 use the same (unmeasured)
 PROGRAMS_PER_SM = 4
-# Down products read 8 experts' rows per output row: looping over them left ~8 one-warp programs (~9 KB of loads)
-# in flight per SM; tiled, a program's warps load every expert's blocks at once (prediction: NOTES.md 7h)
-DOWN_TILED, DOWN_WARPS = True, 4
 
 
 def _fit_nb(nb: int, n_blocks: int) -> int:
@@ -89,13 +83,10 @@ def _fit_nb(nb: int, n_blocks: int) -> int:
 
 def default_wtile(kind: str, m: int, k: int, n_rows: int, device: torch.device) -> WTile:
     """One warp, MAX_NB blocks per step; rows per program: the largest power of two <= MAX_ROWS[kind] that still
-    leaves PROGRAMS_PER_SM programs per SM (n_rows: rows of all the program groups, e.g. 8 experts x F).
-    Down products: every selected expert in one tile over DOWN_WARPS warps (DOWN_TILED)."""
+    leaves PROGRAMS_PER_SM programs per SM (n_rows: rows of all the program groups, e.g. 8 experts x F)."""
     r = 1
     while r * 2 <= MAX_ROWS[kind] and n_rows // (r * 2) >= PROGRAMS_PER_SM * sm_count(device):
         r *= 2
-    if kind == "down" and DOWN_TILED:
-        return WTile(r, MAX_NB, DOWN_WARPS, 2, True)
     return WTile(r, MAX_NB, 1, 2)
 
 
@@ -147,11 +138,11 @@ def _scale_min(h1, h2, h3, j):
 
 
 @triton.jit
-def _x_tiles(x_ptr, xb):
-    """The permuted x of the 256-blocks starting at elements xb [NB] as 8 tiles [NB, 4, 8], one per nibble
-    position n = 2k + h (word (c, tt)'s weight at bit 8k + 4h), and the sums of x per sub-block 2c (low) and
-    2c + 1 (high) [NB, 4]."""
-    xo = xb[:, None, None] + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+def _x_tiles(x_ptr, kb, NB: tl.constexpr):
+    """The permuted x of blocks kb .. kb+NB-1 as 8 tiles [NB, 4, 8], one per nibble position n = 2k + h
+    (word (c, tt)'s weight at bit 8k + 4h), and the sums of x per sub-block 2c (low) and 2c + 1 (high) [NB, 4]."""
+    blk = kb + tl.arange(0, NB)
+    xo = blk[:, None, None] * 256 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     xs = ()
     for n in tl.static_range(8):
         xs = xs + (tl.load(x_ptr + xo + 64 * (n // 2) + 8 * (n % 2)),)
@@ -161,11 +152,11 @@ def _x_tiles(x_ptr, xb):
 
 
 @triton.jit
-def _row_step(wp, off, ok, blk, xs, sum_lo, sum_hi, scale, acc, accm, fq_mask, fq_one):
-    """One row's blocks blk [NB]: acc [NB, 4, 8] += 16 d sc sum f x per word, accm [NB, 4] += (16 d sc +
+def _row_step(wp, off, ok, kb, xs, sum_lo, sum_hi, scale, acc, accm, fq_mask, fq_one, NB: tl.constexpr):
+    """One row's blocks kb .. kb+NB-1: acc [NB, 4, 8] += 16 d sc sum f x per word, accm [NB, 4] += (16 d sc +
     dmin m) sum x per sub-block pair; the row's dot product is sum(acc) - sum(accm). `off`: the row's first
-    word from wp (int32; or [NB]: each block's own row, e.g. of another expert), `ok`: the row exists,
-    `scale` [NB]: a factor folded into both (a routing weight, or 1)."""
+    word from wp (int32), `ok`: the row exists, `scale`: a factor folded into both (a routing weight, or 1)."""
+    blk = kb + tl.arange(0, NB)
     bo = off + blk * 36  # [NB]
     c = tl.arange(0, 4)
     t = c[:, None] * 8 + tl.arange(0, 8)[None, :]  # [4, 8] qs word 8c + tt
@@ -207,13 +198,12 @@ def _rows_dot(wp, row0, M, x_ptr, scale, accs, accms, fq_mask, fq_one,
     into accs/accms."""
     SW: tl.constexpr = 36 * N_BLOCKS
     for kb in range(0, N_BLOCKS, NB):
-        blk = kb + tl.arange(0, NB)
-        xs, sum_lo, sum_hi = _x_tiles(x_ptr, blk * 256)
+        xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
         new_accs = ()
         new_accms = ()
         for r in tl.static_range(R):
-            a, am = _row_step(wp, r * SW, row0 + r < M, blk, xs, sum_lo, sum_hi, scale, accs[r], accms[r],
-                              fq_mask, fq_one)
+            a, am = _row_step(wp, r * SW, row0 + r < M, kb, xs, sum_lo, sum_hi, scale, accs[r], accms[r],
+                              fq_mask, fq_one, NB)
             new_accs = new_accs + (a,)
             new_accms = new_accms + (am,)
         accs = new_accs
@@ -234,8 +224,7 @@ def _wmv_kernel(w_ptr, x_ptr, res_ptr, out_ptr, M, fq_mask, fq_one,
     row0 = tl.program_id(0) * R
     wp = w_ptr + row0.to(tl.int64) * SW
     accs, accms = _zeros_rows(R, NB)
-    accs, accms = _rows_dot(wp, row0, M, x_ptr, tl.full([NB], 1.0, tl.float32), accs, accms, fq_mask, fq_one,
-                            N_BLOCKS, R, NB)
+    accs, accms = _rows_dot(wp, row0, M, x_ptr, 1.0, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _total(accs[r], accms[r])
@@ -268,20 +257,18 @@ def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stri
     wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
     ga, gm = _zeros_rows(R, NB)
     ua, um = _zeros_rows(R, NB)
-    one = tl.full([NB], 1.0, tl.float32)
     for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
-        blk = kb + tl.arange(0, NB)
-        xs, sum_lo, sum_hi = _x_tiles(x_ptr, blk * 256)
+        xs, sum_lo, sum_hi = _x_tiles(x_ptr, kb, NB)
         nga = ()
         ngm = ()
         nua = ()
         num = ()
         for r in tl.static_range(R):
             ok = row0 + r < F
-            a, am = _row_step(wg, r * SW, ok, blk, xs, sum_lo, sum_hi, one, ga[r], gm[r], fq_mask, fq_one)
+            a, am = _row_step(wg, r * SW, ok, kb, xs, sum_lo, sum_hi, 1.0, ga[r], gm[r], fq_mask, fq_one, NB)
             nga = nga + (a,)
             ngm = ngm + (am,)
-            a, am = _row_step(wu, r * SW, ok, blk, xs, sum_lo, sum_hi, one, ua[r], um[r], fq_mask, fq_one)
+            a, am = _row_step(wu, r * SW, ok, kb, xs, sum_lo, sum_hi, 1.0, ua[r], um[r], fq_mask, fq_one, NB)
             nua = nua + (a,)
             num = num + (am,)
         ga, gm, ua, um = nga, ngm, nua, num
@@ -303,48 +290,8 @@ def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e,
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
         wp = w_ptr + eid * stride_e + row0.to(tl.int64) * SW
-        wt = tl.zeros([NB], tl.float32) + tl.load(wts_ptr + i)
-        accs, accms = _rows_dot(wp, row0, N, h_ptr + i * stride_h, wt, accs, accms, fq_mask, fq_one, N_BLOCKS, R, NB)
-    for r in tl.static_range(R):
-        row = row0 + r
-        v = _total(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
-        tl.store(out_ptr + row, v, mask=row < N)
-
-
-@triton.jit
-def _experts_of(ids_ptr, wts_ptr, N_SEL: tl.constexpr, E: tl.constexpr, NB: tl.constexpr):
-    """Per tile block j < E NB (expert slot j // NB, E >= N_SEL a power of two): its slot (the last real one
-    for padding slots), expert id and routing weight (0 for padding slots)."""
-    j = tl.arange(0, E * NB)
-    slot = tl.minimum(j // NB, N_SEL - 1)
-    wt = tl.where(j // NB < N_SEL, tl.load(wts_ptr + slot), 0.0)
-    return j, slot, tl.load(ids_ptr + slot), wt
-
-
-@triton.jit
-def _wdown_tiled_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h, fq_mask, fq_one,
-                        N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
-                        NB: tl.constexpr):
-    """`_wdown_kernel` with every selected expert's blocks in one tile [E NB, 4, 8] (word offsets from w_ptr in
-    int32: the wrapper checks they fit), so all experts' loads are in flight at once and the program's warps
-    split the experts; summed by one fixed-order tile reduction (bit-identical run to run, not to the loop)."""
-    SW: tl.constexpr = 36 * N_BLOCKS
-    row0 = tl.program_id(0) * R
-    j, slot, eid, wt = _experts_of(ids_ptr, wts_ptr, N_SEL, E, NB)
-    off = eid * stride_e + row0 * SW  # [E NB] each block's expert row row0
-    accs, accms = _zeros_rows(R, E * NB)
-    for kb in range(0, N_BLOCKS, NB):
-        blk = kb + j % NB
-        xs, sum_lo, sum_hi = _x_tiles(h_ptr, slot * stride_h + blk * 256)
-        new_accs = ()
-        new_accms = ()
-        for r in tl.static_range(R):
-            a, am = _row_step(w_ptr, off + r * SW, row0 + r < N, blk, xs, sum_lo, sum_hi, wt, accs[r], accms[r],
-                              fq_mask, fq_one)
-            new_accs = new_accs + (a,)
-            new_accms = new_accms + (am,)
-        accs = new_accs
-        accms = new_accms
+        accs, accms = _rows_dot(wp, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs, accms,
+                                fq_mask, fq_one, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _total(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
@@ -352,12 +299,6 @@ def _wdown_tiled_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, str
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
-
-
-def _tiled(t: WTile, w: torch.Tensor) -> bool:
-    """Whether a down product runs expert-tiled: the tile asks for it and every offset into w (in its element
-    units) fits in int32."""
-    return t.tiled and w.numel() < 2**31
 
 
 def _words(w: torch.Tensor, k: int) -> torch.Tensor:
@@ -417,14 +358,10 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     t = wtile_for("down", n, f, n, w_down.device, tile)
     ww = _words(w_down, f)
-    args = (ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE)
-    if _tiled(t, ww):
-        _wdown_tiled_kernel[(triton.cdiv(n, t.rows),)](
-            *args, N_BLOCKS=f // 256, N_SEL=n_sel, E=triton.next_power_of_2(n_sel), R=t.rows, NB=t.nb,
-            num_warps=t.num_warps, num_stages=t.num_stages)
-    else:
-        _wdown_kernel[(triton.cdiv(n, t.rows),)](
-            *args, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages)
+    _wdown_kernel[(triton.cdiv(n, t.rows),)](
+        ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
     return out
 
 
@@ -480,18 +417,19 @@ def _f6(ql, vs, P: tl.constexpr):
 
 
 @triton.jit
-def _xt(QT: tl.constexpr, x_ptr, xb):
-    """Permuted x of the 256-weight groups starting at elements xb [NB] as the type's tiles: 8 tiles (index
-    2k + n) and, for Q6_K, the per-word sums of x of the low and high nibbles (zeros for Q8_0)."""
+def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
+    """Permuted x of groups kb .. kb+NB-1 as the type's tiles: 8 tiles (index 2k + n) and, for Q6_K, the
+    per-word sums of x of the low and high nibbles (zeros for Q8_0)."""
+    blk = kb + tl.arange(0, NB)
     xs = ()
     if QT == 14:  # [NB, 2 (h), 16 (tt)] at 64k + 32h + 16n + tt
-        xo = xb[:, None, None] + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+        xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
         for j in tl.static_range(8):
             xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 16 * (j % 2)),)
         lo = xs[0] + xs[2] + xs[4] + xs[6]
         hi = xs[1] + xs[3] + xs[5] + xs[7]
     else:  # [NB, 4 (p), 8 (i)] at 64k + 16p + 8h + i
-        xo = xb[:, None, None] + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        xo = blk[:, None, None] * 256 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
         for j in tl.static_range(8):
             xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 8 * (j % 2)),)
         lo = 0.0
@@ -500,12 +438,12 @@ def _xt(QT: tl.constexpr, x_ptr, xb):
 
 
 @triton.jit
-def _q6k_step(wp, hp, bp, off, ok, blk, xt, scale, acc, GU: tl.constexpr):
-    """One Q6_K row's groups blk [NB]: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble,
-    times scale [NB]. off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at
-    2 off; or [NB], each group's own row); GU: halfwords per block (105 as in the file, 106 padded: every
-    block word-aligned)."""
+def _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
+    """One Q6_K row's groups kb..: acc [NB, 2, 16] += d sc (64 sum f x - 96 sum x) per ql word and nibble.
+    off: the row's first halfword (int32 words from wp, halfwords from hp, bytes from bp at 2 off); GU:
+    halfwords per block (105 as in the file, 106 padded: every block word-aligned)."""
     xs, xs_lo, xs_hi = xt
+    blk = kb + tl.arange(0, NB)
     bo = off + blk * GU  # [NB] first halfword of each block
     h = tl.arange(0, 2)[None, :, None]
     tt = tl.arange(0, 16)[None, None, :]
@@ -529,11 +467,11 @@ def _q6k_step(wp, hp, bp, off, ok, blk, xt, scale, acc, GU: tl.constexpr):
 
 
 @triton.jit
-def _q8_0_step(wp, off, ok, blk, xt, scale, acc):
-    """One Q8_0 row's groups blk [NB]: acc [NB, 4, 8] += d0 sum_k q0 x + d1 sum_k q1 x per word position,
-    times scale [NB]. off: the row's first word from wp (or [NB], each group's own row)."""
+def _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+    """One Q8_0 row's groups kb..: acc [NB, 4, 8] += d0 sum_k q0 x + d1 sum_k q1 x per word position.
+    off: the row's first word from wp."""
     xs, _lo, _hi = xt
-    go = off + blk * 68  # [NB] first word of each group
+    go = off + (kb + tl.arange(0, NB)) * 68  # [NB] first word of each group
     pw = go[:, None, None] + 17 * tl.arange(0, 4)[None, :, None]  # [NB, 4, 1] block pair starts
     i = tl.arange(0, 8)[None, None, :]
     a = tl.load(wp + pw + i, mask=ok, other=0)  # W[i]     [NB, 4, 8]
@@ -541,18 +479,17 @@ def _q8_0_step(wp, off, ok, blk, xt, scale, acc):
     c = tl.load(wp + pw + 9 + i, mask=ok, other=0)  # W[9 + i]: block 1
     p0 = _i8f(a, 16) * xs[0] + _i8f(a, 24) * xs[2] + _i8f(b, 0) * xs[4] + _i8f(b, 8) * xs[6]
     p1 = _i8f(c, 0) * xs[1] + _i8f(c, 8) * xs[3] + _i8f(c, 16) * xs[5] + _i8f(c, 24) * xs[7]
-    s3 = scale[:, None, None]
-    d0 = _half(tl.load(wp + pw, mask=ok, other=0)) * s3  # [NB, 4, 1]
-    d1 = _half(tl.load(wp + pw + 8, mask=ok, other=0) >> 16) * s3
+    d0 = _half(tl.load(wp + pw, mask=ok, other=0)) * scale  # [NB, 4, 1]
+    d1 = _half(tl.load(wp + pw + 8, mask=ok, other=0) >> 16) * scale
     return acc + d0 * p0 + d1 * p1
 
 
 @triton.jit
-def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, blk, xt, scale, acc, GU: tl.constexpr):
+def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
     if QT == 14:
-        acc = _q6k_step(wp, hp, bp, off, ok, blk, xt, scale, acc, GU)
+        acc = _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, GU)
     else:
-        acc = _q8_0_step(wp, off, ok, blk, xt, scale, acc)
+        acc = _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB)
     return acc
 
 
@@ -590,12 +527,11 @@ def _xrows_dot(QT: tl.constexpr, wp, hp, bp, lead, row0, M, x_ptr, scale, accs, 
     """accs[r] += row row0 + r's products with x over all K (rows of GU N_BLOCKS units from the views, the
     first at unit `lead`)."""
     for kb in range(0, N_BLOCKS, NB):
-        blk = kb + tl.arange(0, NB)
-        xt = _xt(QT, x_ptr, blk * 256)
+        xt = _xt(QT, x_ptr, kb, NB)
         new = ()
         for r in tl.static_range(R):
-            new = new + (_xstep(QT, wp, hp, bp, lead + r * (GU * N_BLOCKS), row0 + r < M, blk, xt, scale,
-                                accs[r], GU),)
+            new = new + (_xstep(QT, wp, hp, bp, lead + r * (GU * N_BLOCKS), row0 + r < M, kb, xt, scale,
+                                accs[r], NB, GU),)
         accs = new
     return accs
 
@@ -606,8 +542,7 @@ def _wmvx_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M, QT: tl.co
     """Grid (cdiv(M, R),). The matrix as int32 / int16 / int8 views of its bytes; x: permuted f32 [K]."""
     row0 = tl.program_id(0) * R
     wp, hp, bp, lead = _xbase(QT, w32_ptr, w16_ptr, w8_ptr, row0.to(tl.int64) * (GU * N_BLOCKS))
-    accs = _xrows_dot(QT, wp, hp, bp, lead, row0, M, x_ptr, tl.full([NB], 1.0, tl.float32), _xzeros(QT, R, NB),
-                      GU, N_BLOCKS, R, NB)
+    accs = _xrows_dot(QT, wp, hp, bp, lead, row0, M, x_ptr, 1.0, _xzeros(QT, R, NB), GU, N_BLOCKS, R, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _sum3(accs[r])
@@ -629,16 +564,14 @@ def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr,
     up, uh, ub, ulead = _xbase(QT, u32_ptr, u16_ptr, u8_ptr, eid * stride_ue + first)
     ga = _xzeros(QT, R, NB)
     ua = _xzeros(QT, R, NB)
-    one = tl.full([NB], 1.0, tl.float32)
     for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
-        blk = kb + tl.arange(0, NB)
-        xt = _xt(QT, x_ptr, blk * 256)
+        xt = _xt(QT, x_ptr, kb, NB)
         nga = ()
         nua = ()
         for r in tl.static_range(R):
             ok = row0 + r < F
-            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, blk, xt, one, ga[r], GU),)
-            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, blk, xt, one, ua[r], GU),)
+            nga = nga + (_xstep(QT, gp, gh, gb, glead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ga[r], NB, GU),)
+            nua = nua + (_xstep(QT, up, uh, ub, ulead + r * (GU * N_BLOCKS), ok, kb, xt, 1.0, ua[r], NB, GU),)
         ga, ua = nga, nua
     for r in tl.static_range(R):
         _store_h(out_ptr + sel * stride_out, row0 + r, F, _sum3(ga[r]), _sum3(ua[r]), ACT, PERM_OUT)
@@ -655,33 +588,8 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
         wp, hp, bp, lead = _xbase(QT, w32_ptr, w16_ptr, w8_ptr, eid * stride_e + row0.to(tl.int64) * (GU * N_BLOCKS))
-        wt = tl.zeros([NB], tl.float32) + tl.load(wts_ptr + i)
-        accs = _xrows_dot(QT, wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, wt, accs,
+        accs = _xrows_dot(QT, wp, hp, bp, lead, row0, N, h_ptr + i * stride_h, tl.load(wts_ptr + i), accs,
                           GU, N_BLOCKS, R, NB)
-    for r in tl.static_range(R):
-        row = row0 + r
-        v = _sum3(accs[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
-        tl.store(out_ptr + row, v, mask=row < N)
-
-
-@triton.jit
-def _wdownx_tiled_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h,
-                         QT: tl.constexpr, GU: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                         E: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
-    """`_wdownx_kernel` with every selected expert's groups in one tile (as `_wdown_tiled_kernel`; unit offsets
-    from the views' start in int32)."""
-    row0 = tl.program_id(0) * R
-    j, slot, eid, wt = _experts_of(ids_ptr, wts_ptr, N_SEL, E, NB)
-    off = eid * stride_e + row0 * (GU * N_BLOCKS)  # [E NB]
-    accs = _xzeros(QT, R, E * NB)
-    for kb in range(0, N_BLOCKS, NB):
-        blk = kb + j % NB
-        xt = _xt(QT, h_ptr, slot * stride_h + blk * 256)
-        new = ()
-        for r in tl.static_range(R):
-            new = new + (_xstep(QT, w32_ptr, w16_ptr, w8_ptr, off + r * (GU * N_BLOCKS), row0 + r < N, blk, xt, wt,
-                                accs[r], GU),)
-        accs = new
     for r in tl.static_range(R):
         row = row0 + r
         v = _sum3(accs[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
@@ -757,15 +665,10 @@ def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.T
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     views, se, gu = _views(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile)
-    args = (*views, hp, ids, weights, residual, out, n, se, hp.stride(0))
-    if _tiled(t, views[2]):
-        _wdownx_tiled_kernel[(triton.cdiv(n, t.rows),)](
-            *args, QT=qtype, GU=gu, N_BLOCKS=f // 256, N_SEL=n_sel, E=triton.next_power_of_2(n_sel), R=t.rows,
-            NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages)
-    else:
-        _wdownx_kernel[(triton.cdiv(n, t.rows),)](
-            *args, QT=qtype, GU=gu, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps,
-            num_stages=t.num_stages)
+    _wdownx_kernel[(triton.cdiv(n, t.rows),)](
+        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=gu,
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
     return out
 
 
