@@ -113,7 +113,7 @@ class Case:
         """The word kernels (wmatvec.KERNELS) on the same launches; x permuted once outside the timed region.
         padded: Q6_K weights copied by `pad_q6k` (word-aligned blocks) first."""
         xp = permute_k4(self.x)
-        fn = WORD_FNS[self.kind][self.qtype]
+        fn = W.KERNELS[self.kind][self.qtype]
         done: dict[int, torch.Tensor] = {}  # each weight tensor padded once
 
         def pad(w: torch.Tensor | None) -> torch.Tensor | None:
@@ -146,13 +146,9 @@ class Case:
                 delattr(self, a)
 
 
-# the word kernels, with Q6_K's down too (written and tested, not in W.KERNELS while the byte kernel wins)
-WORD_FNS = {**W.KERNELS, "down": {**W.KERNELS["down"], int(T.Q6_K): W.moe_down_w6}}
-
-
 def has_words(qtype: int, kind: str) -> bool:
     """Whether a word kernel exists for this type and kind of product."""
-    return qtype in WORD_FNS[kind]
+    return qtype in W.KERNELS[kind]
 
 
 def candidate_tiles(case: Case) -> list[Q.Tile]:

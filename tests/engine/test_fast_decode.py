@@ -100,8 +100,8 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").words and not make_ops("triton-bytes").words
     assert make_ops("triton").kernel_name(12) == "triton-words"
     assert make_ops("triton").kernel_name(8) == "triton-words"
-    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384 padded,gate_up)"
-    assert make_ops("triton-unpadded").kernel_name(14) == "triton+words(mv>=16384,gate_up)"
+    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384 padded,gate_up,down)"
+    assert make_ops("triton-unpadded").kernel_name(14) == "triton+words(mv>=16384,gate_up,down)"
     w = torch.zeros(16384, 8 * 210, dtype=torch.uint8)  # a Q6_K output-sized matrix, K = 2048
     assert make_ops("triton").repack(14, "mv", w).shape == (16384, 8 * 212)
     for name, qtype, kind, m in [("triton-unpadded", 14, "mv", w), ("triton-bytes", 14, "mv", w),

@@ -42,7 +42,8 @@ def test_permutation() -> None:
 def test_supports() -> None:
     assert wk.supports(Q4_K, 2048) and not wk.supports(Q4_K, 2048 + 32) and not wk.supports(int(T.Q5_K), 2048)
     assert wk.supports(Q8_0, 2048, "down") and not wk.supports(Q8_0, 2048 + 32, "mv")
-    assert not wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "gate_up") and ("mv", Q6_K) in wk.PAD
+    assert wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "gate_up") and ("mv", Q6_K) in wk.PAD
+    assert wk.wtile_for("down", 37, 512, 37, torch.device("cpu"), qtype=Q6_K) == wk.WTile(1, 2)  # TYPE_WTILES
     assert wk.supports(Q6_K, 2048, "mv", 50304) and not wk.supports(Q6_K, 2048, "mv", 2048)
     assert wk.WORD_TYPES == {Q4_K, Q6_K, Q8_0}
 
@@ -117,9 +118,7 @@ def test_moe_down_w(qtype, f, padded, tile, device, rng) -> None:
         ref = r.double() + (wts.double()[:, None] * parts).sum(0)
         bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
         out = r.to(device)  # out aliases residual
-        # Q6_K's down (moe_down_w6) is not in KERNELS (slower than the byte kernel) but kept and tested
-        down = wk.moe_down_w6 if qtype == T.Q6_K else wk.KERNELS["down"][int(qtype)]
-        down(w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out, tile=tile)
+        wk.KERNELS["down"][int(qtype)](w, permute_k4(h).to(device), ids.to(device), wts.to(device), out, out, tile=tile)
         check_bound(out, ref, bound, seed, f"{qtype.name} down ids={ids_list} F={f} padded={padded} tile={tile}")
 
 
@@ -150,7 +149,7 @@ def test_padded_q6k_same_bits(kind, device, rng) -> None:
     assert padded.shape == (3, 37, 3 * 212)
     blocks = padded.reshape(3, 37, 3, 212)
     assert torch.equal(blocks[..., :210].reshape(raw.shape), raw) and not blocks[..., 210:].any()
-    fn = wk.moe_down_w6 if kind == "down" else wk.KERNELS[kind][Q6_K]
+    fn = wk.KERNELS[kind][Q6_K]
     ids = torch.tensor([2, 0], dtype=torch.int32, device=device)
     outs = []
     for w in (raw, padded):

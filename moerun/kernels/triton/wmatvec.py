@@ -62,8 +62,12 @@ class WTile(NamedTuple):
     num_stages: int = 2
 
 
-# Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else `default_wtile`.
+# Tuned overrides keyed by (kind, M, K) with kind in {"mv", "gate_up", "down"}; else TYPE_WTILES; else `default_wtile`.
 WTILES: dict[tuple[str, int, int], WTile] = {}
+# Per (kind, type), measured on the H200 at OLMoE sizes (bench_qmatvec, NOTES.md 7h, us): Q6_K down 23.7 -> 18.4
+# (the byte kernel: 21.9), Q8_0 down 14.9 -> 13.2, Q8_0 gate+up 17.6 -> 15.7; Q4_K's defaults were already the best
+TYPE_WTILES: dict[tuple[str, int], WTile] = {
+    ("down", 14): WTile(1, 2), ("down", 8): WTile(1, 2), ("gate_up", 8): WTile(2, 1)}
 MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate/up (static SASS, NOTES 7)
 # Rows per program: at most MAX_ROWS[kind] (gate/up holds the rows of two matrices), and only while at least
 # PROGRAMS_PER_SM one-warp programs per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes,
@@ -90,9 +94,12 @@ def default_wtile(kind: str, m: int, k: int, n_rows: int, device: torch.device) 
     return WTile(r, MAX_NB, 1, 2)
 
 
-def wtile_for(kind: str, m: int, k: int, n_rows: int, device: torch.device, tile: WTile | None = None) -> WTile:
-    """`tile`, else WTILES[(kind, m, k)], else the default; its NB fitted to K (a divisor of K / 256)."""
-    t = tile or WTILES.get((kind, m, k)) or default_wtile(kind, m, k, n_rows, device)
+def wtile_for(kind: str, m: int, k: int, n_rows: int, device: torch.device, tile: WTile | None = None,
+              qtype: int | None = None) -> WTile:
+    """`tile`, else WTILES[(kind, m, k)], else TYPE_WTILES[(kind, qtype)], else the default; its NB fitted to K
+    (a divisor of K / 256)."""
+    t = tile or WTILES.get((kind, m, k)) or TYPE_WTILES.get((kind, qtype))
+    t = t or default_wtile(kind, m, k, n_rows, device)
     return t._replace(nb=_fit_nb(t.nb, k // 256))
 
 
@@ -632,7 +639,7 @@ def _qmatvec_x(qtype: int, w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor,
                residual: torch.Tensor | None = None, *, tile: WTile | None = None) -> torch.Tensor:
     m, k = w.shape[0], xp.shape[0]
     views, _, gu = _views(qtype, w, k)
-    t = wtile_for("mv", m, k, m, w.device, tile)
+    t = wtile_for("mv", m, k, m, w.device, tile, qtype)
     _wmvx_kernel[(triton.cdiv(m, t.rows),)](
         *views, xp, out if residual is None else residual, out, m, QT=qtype, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
@@ -651,7 +658,7 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
     (u32, u16, u8), su, gu_up = _views(qtype, w_up, k)
     if gu != gu_up:
         raise ValueError("gate and up must have the same layout (both padded or neither)")
-    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile)
+    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile, qtype)
     _wgate_upx_kernel[(triton.cdiv(f, t.rows), n_sel)](
         g32, g16, g8, u32, u16, u8, xp, ids, out, f, sg, su, out.stride(0), QT=qtype, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
@@ -664,7 +671,7 @@ def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.T
                 residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     views, se, gu = _views(qtype, w_down, f)
-    t = wtile_for("down", n, f, n, w_down.device, tile)
+    t = wtile_for("down", n, f, n, w_down.device, tile, qtype)
     _wdownx_kernel[(triton.cdiv(n, t.rows),)](
         *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=gu,
         N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
@@ -684,8 +691,8 @@ moe_down_w8 = partial(_moe_down_x, Q8_0)
 KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
     "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6, Q8_0: qmatvec_w8},
     "gate_up": {Q4_K: moe_gate_up_w, Q6_K: moe_gate_up_w6, Q8_0: moe_gate_up_w8},
-    # Q6_K's (moe_down_w6) lost to the byte kernel (23.6 vs 21.8 us), on padded rows too (23.6): NOTES 7b, 7g
-    "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8},
+    # Q6_K's beats the byte kernel at its TYPE_WTILES tile only (18.4 vs 21.9 us; 23.6 at the default): NOTES 7h
+    "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8, Q6_K: moe_down_w6},
 }
 # (kind, type) -> the load-time copy whose layout its word kernel reads faster than the file's rows (the 50304 x
 # 2048 Q6_K output matrix on `pad_q6k`'s word-aligned blocks: 60.4 -> 51.7 us on the H200, NOTES.md 7g)
