@@ -85,11 +85,11 @@ for stage in "$@"; do
         tests/engine/test_fast_decode.py -k "padded or down_w or make_ops or fast_steps" 2>&1 | tail -2 | tee -a "$LOG"
       timeout 240 python3 benchmarks/bench_qmatvec.py --types q6_k --wtiles default 2>&1 | tee -a "$LOG"
       ab "$t" triton padded triton-unpadded unpadded ;;
-    down:*)  # down products: micro (loop vs expert-tiled tiles), profile and tg128 of this tree vs abtree/old (run
-      # first and last: the spread between them is the call's noise); abtree/old holds an older moerun package
+    down:*)  # expert products: micro over word-kernel tiles, profile and tg128 of this tree vs abtree/old (run
+      # first and third: the spread between repeats is the call's noise); abtree/old holds an older moerun package
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
-      timeout 200 python3 benchmarks/bench_qmatvec.py --types q4_k,q6_k,q8_0 --kinds down \
-        --wtiles "${DOWN_WTILES:-default,2x4x1x2,2x4x2x2x1,2x4x8x2x1,1x4x4x2x1,4x4x4x2x1}" 2>&1 | tee -a "$LOG"
+      timeout 300 python3 benchmarks/bench_qmatvec.py --types q4_k,q6_k,q8_0 --kinds down,gate_up \
+        --wtiles "${DOWN_WTILES:-default,2x4x1x2,4x4x2x2,2x2x1x2,2x1x1x2,1x2x1x2}" 2>&1 | tee -a "$LOG"
       timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1
       timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager 2>&1 | grep -v "loading to" | head -18 \
         | tee -a "$LOG"

@@ -47,7 +47,7 @@ from moerun.kernels.torch_ops import permute_k4
 from moerun.kernels.triton.qgemm import _i8f
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
-Q4_K, Q6_K = 12, 14
+Q4_K, Q6_K, Q8_0 = 12, 14, 8
 # f = 1 + q/16: mask of mantissa bits 19-22 and the bits of 1.0f, passed as runtime arguments so the and-or
 # compiles to one 3-input LOP3 (as immediates ptxas emits two instructions)
 FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
@@ -67,7 +67,7 @@ WTILES: dict[tuple[str, int, int], WTile] = {}
 # Per (kind, type), measured on the H200 at OLMoE sizes (bench_qmatvec, NOTES.md 7h, us): Q6_K down 23.7 -> 18.4
 # (the byte kernel: 21.9), Q8_0 down 14.9 -> 13.2, Q8_0 gate+up 17.6 -> 15.7; Q4_K's defaults were already the best
 TYPE_WTILES: dict[tuple[str, int], WTile] = {
-    ("down", 14): WTile(1, 2), ("down", 8): WTile(1, 2), ("gate_up", 8): WTile(2, 1)}
+    ("down", Q6_K): WTile(1, 2), ("down", Q8_0): WTile(1, 2), ("gate_up", Q8_0): WTile(2, 1)}
 MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate/up (static SASS, NOTES 7)
 # Rows per program: at most MAX_ROWS[kind] (gate/up holds the rows of two matrices), and only while at least
 # PROGRAMS_PER_SM one-warp programs per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes,
@@ -389,7 +389,6 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
 # pair, i < 8, k < 4) is byte k of word i of block h, which for h = 0 straddles W[i] (bytes 2, 3) and W[i+1]
 # (bytes 0, 1); after permute_k4 its x is at slot 64k + 16p + 8h + i. Bytes become floats by I2F.S8, which
 # reads the byte in place. Offsets count words (68 per group).
-Q8_0 = 8
 GROUP_UNITS = {Q6_K: 105, Q8_0: 68}  # offset units (Q6_K halfwords, Q8_0 words) per 256 weights
 ROW_BYTES = {Q6_K: 210, Q8_0: 272}  # bytes per 256 weights
 PADDED_BYTES = 212  # a Q6_K block padded to a whole number of words (`pad_q6k`)
