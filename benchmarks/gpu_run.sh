@@ -8,6 +8,7 @@
 #   qgemmtests (GEMM kernel tests only), words:TYPE (word-kernel tests, micro-benchmark, profile and tg128 of
 #   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps),
 #   pad:TYPE (Q6_K output on a padded copy vs the file's rows: tests, micro, profiles and tg128 of OLMoE),
+#   ab:TYPE (tg128 of package trees abtree/NAME, NAME in AB_TREES, alternating; the synthesized file is kept),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -98,6 +99,22 @@ for stage in "$@"; do
         (cd "$d" && PYTHONPATH=$d:/tmp/site bench "$f" "olmoe-1b-7b-$t-$tree-tg" -p 0 -n 128 -r 5 -d ${DEPTHS:-0})
       done
       rm -f "$f" ;;
+    ab:*)  # same-call A/B of package trees: abtree/NAME/moerun for each NAME in AB_TREES (default "base var"; "."
+      # is this tree): one eager profile each, then tg128 in the order AB_TREES, AB_TREES (the repeat is the noise)
+      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; trees=${AB_TREES:-base var}; root=$PWD
+      [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
+        2>&1 | tail -1
+      for tree in ${AB_PROFILE-$trees}; do  # AB_PROFILE: the trees to profile (default all; "" none)
+        d=$PWD; [ "$tree" = . ] || d=$PWD/abtree/$tree
+        echo "--- profile $tree" | tee -a "$LOG"
+        (cd "$d" && PYTHONPATH=$d:/tmp/site timeout 200 python3 "$root/benchmarks/profile_decode.py" "$f" --decode eager 2>&1 \
+          | grep -v "loading to" | head -${PROFILE_LINES:-18} | tee -a "$LOG")
+      done
+      for tree in $trees $trees; do
+        d=$PWD; [ "$tree" = . ] || d=$PWD/abtree/$tree
+        echo "--- tg $tree" | tee -a "$LOG"
+        (cd "$d" && PYTHONPATH=$d:/tmp/site bench "$f" "olmoe-1b-7b-$t-${tree//./this}-tg" -p 0 -n 128 -r 5 -d ${DEPTHS:-0})
+      done ;;
     tg:*|pp:*)  # just the bench: tg128 (words and depth 4096) or pp512 of OLMoE
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
       timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress --force 2>&1 | tail -1

@@ -22,8 +22,9 @@ from moerun.kernels.triton import wmatvec as wk
 from moerun.quant import random_blocks
 
 N, F, E, TOPK = 2048, 1024, 64, 8
-KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "down": "_wdown_kernel", "mv6": "_wmvx_kernel",
-           "down6": "_wdownx_kernel"}  # mv6 / down6: Q6_K
+KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": "_wgate_up_kernel",
+           "down": "_wdown_kernel", "mv6": "_wmvx_kernel", "down6": "_wdownx_kernel"}  # mv6 / down6: Q6_K;
+# gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -56,9 +57,10 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
         elif kind == "down6":
             wk.moe_down_w6(_q6k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
                            torch.empty(N), tile=tile)
-        elif kind == "gate_up":
+        elif kind in ("gate_up", "gate_up_route"):
             w = _q4k(E, F, N)
-            wk.moe_gate_up_w(w, w, torch.zeros(N), ids, torch.empty(TOPK, F), perm_out=True, tile=tile)
+            route = wk.Route(torch.zeros(E), torch.empty(TOPK), False) if kind == "gate_up_route" else None
+            wk.moe_gate_up_w(w, w, torch.zeros(N), ids, torch.empty(TOPK, F), perm_out=True, tile=tile, route=route)
         else:
             wk.moe_down_w(_q4k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
                           torch.empty(N), tile=tile)
@@ -82,7 +84,8 @@ def main() -> None:
             ck = compile_launch(getattr(wk, KERNELS[kind]), a, kw)
             sass, res = sass_of(ck)
             body = main_loop(sass)
-            per_trip = tile.rows * kw["NB"] * 256 * (2 if kind == "gate_up" else 1)  # weights a loop trip decodes
+            # weights a loop trip decodes
+            per_trip = tile.rows * kw["NB"] * 256 * (2 if kind.startswith("gate_up") else 1)
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from moerun.engine.kv_cache import KVCache
+from moerun.kernels.torch_ops import Route
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -152,16 +153,15 @@ class FastDecoder:
         ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
         for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
             ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp)
-        ops.qk_norm_rope_store(
-            self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos,
-            self.cache.k[i], self.cache.v[i], self.q_rot, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
-            rope_style=spec.rope_style, rope_dim=cfg.rope_dim,
-            base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
-            freq_factors=self.rope_freqs)
         wo = L["attn_output"]
         ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
-        ops.attention_decode(self.q_rot, self.cache.k[i], self.cache.v[i], self.kv_len, cfg.attn_scale,
-                             cfg.sliding_window if swa else 0, self.attn, out_perm=ap)
+        ops.rope_attention(  # QK-norm, RoPE, this step's k/v into the cache, attention over it
+            self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos, self.kv_len,
+            self.cache.k[i], self.cache.v[i], self.q_rot, self.attn, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
+            rope_style=spec.rope_style, rope_dim=cfg.rope_dim,
+            base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
+            freq_factors=self.rope_freqs, attn_scale=cfg.attn_scale, window=cfg.sliding_window if swa else 0,
+            out_perm=ap)
         if spec.post_norms:
             ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.y, x_perm=ap)
             self._add_block_output(L["post_attention_norm"])
@@ -170,13 +170,15 @@ class FastDecoder:
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         xp = self._perm("gate_up", g, u)
-        ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
-        if cfg.is_moe:
-            ops.router(self.xn, L["ffn_gate_inp"], self.router_logits)
-            ops.route_topk(self.router_logits, cfg.n_expert_used, cfg.expert_weights_norm, self.route_w, self.ids)
+        route = None
+        if cfg.is_moe:  # norm + the router's logits; gate/up chooses the experts from them (ids, route_w)
+            ops.norm_router(self.x, L["ffn_norm"], cfg.rms_eps, L["ffn_gate_inp"], self.router_logits, self.xn, xp)
+            route = Route(self.router_logits, self.route_w, cfg.expert_weights_norm)
+        else:
+            ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
         h_perm = ops.perm(d.qtype, self.h.shape[-1], "down")  # down reads h permuted
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
-                        perm_out=h_perm)
+                        perm_out=h_perm, route=route)
         if spec.post_norms:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm)
             self._add_block_output(L["post_ffw_norm"])

@@ -10,6 +10,8 @@ Shapes: N = model width, H/Hkv = query/KV heads, D/Dv = head dims, E = experts, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moerun.kernels import reference as ref
@@ -32,6 +34,16 @@ def unpermute_k4(xp: torch.Tensor) -> torch.Tensor:
     """The inverse of permute_k4."""
     k = xp.shape[-1]
     return xp.reshape(*xp.shape[:-1], k // 256, 4, 64).transpose(-1, -2).reshape(xp.shape)
+
+
+class Route(NamedTuple):
+    """Routing done by the gate/up op itself (`moe_gate_up(route=...)`): the router's logits [E] f32 in, the
+    chosen experts' weights [K] f32 out (their ids go to the op's ids), as `route_topk` (softmax over all E, the
+    K largest, ties to the lower index; divided by their sum with `renormalise`)."""
+
+    logits: torch.Tensor
+    weights_out: torch.Tensor
+    renormalise: bool
 
 
 class TorchOps:
@@ -71,9 +83,13 @@ class TorchOps:
     @staticmethod
     def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
-                    x_perm: torch.Tensor | None = None, perm_out: bool = False) -> torch.Tensor:
-        """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] device.
-        x_perm: permute_k4(x), read instead of x when given; perm_out: rows of out in permute_k4 order."""
+                    x_perm: torch.Tensor | None = None, perm_out: bool = False,
+                    route: Route | None = None) -> torch.Tensor:
+        """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] int32 device.
+        x_perm: permute_k4(x), read instead of x when given; perm_out: rows of out in permute_k4 order;
+        route: choose the experts first (`route_topk` into ids and route.weights_out)."""
+        if route is not None:
+            TorchOps.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
         if x_perm is not None:
             x = unpermute_k4(x_perm)
         g = _deq(w_gate.index_select(0, ids.long()), qtype_gate, x.shape[-1]) @ x  # [K, F]
@@ -114,6 +130,13 @@ class TorchOps:
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Router logits out [E] = W [E, N] (float32) @ x [N]."""
         return torch.mv(w, x, out=out)
+
+    @staticmethod
+    def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, out: torch.Tensor,
+                    xn: torch.Tensor, xn_perm: torch.Tensor | None = None) -> torch.Tensor:
+        """`rms_norm` of x into xn (and xn_perm), then `router` of xn into out [E]."""
+        TorchOps.rms_norm(x, norm_w, eps, xn, xn_perm)
+        return TorchOps.router(xn, w_router, out)
 
     @staticmethod
     def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
@@ -158,6 +181,20 @@ class TorchOps:
         q_out.copy_(ref.apply_rope(q, cos, sin, rope_style)[0])
         k_cache.index_copy_(0, pos_t.long(), ref.apply_rope(k, cos, sin, rope_style).to(k_cache.dtype))
         v_cache.index_copy_(0, pos_t.long(), v.view(1, Hkv, -1).to(v_cache.dtype))
+
+    @staticmethod
+    def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
+                       k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, q_rot: torch.Tensor, out: torch.Tensor, *,
+                       eps: float, qk_norm: str, rope_style: str, rope_dim: int, base: float, scale: float,
+                       freq_factors: torch.Tensor | None, attn_scale: float, window: int,
+                       out_perm: torch.Tensor | None = None) -> None:
+        """`qk_norm_rope_store` (q_rot [H, D] its rotated q) then `attention_decode` of q_rot: one step's attention
+        from the raw projections. pos_t [1] = kv_len_t - 1 (the row this step writes)."""
+        TorchOps.qk_norm_rope_store(q, k, v, q_norm_w, k_norm_w, pos_t, k_cache, v_cache, q_rot, eps=eps,
+                                    qk_norm=qk_norm, rope_style=rope_style, rope_dim=rope_dim, base=base,
+                                    scale=scale, freq_factors=freq_factors)
+        TorchOps.attention_decode(q_rot, k_cache, v_cache, kv_len_t, attn_scale, window, out, out_perm)
 
     @staticmethod
     def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moerun.kernels.torch_ops import TorchOps
+from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import qmatvec as qk
@@ -72,12 +72,21 @@ class TritonOps:
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
-                    x_perm: torch.Tensor | None = None, perm_out: bool = False) -> torch.Tensor:
+                    x_perm: torch.Tensor | None = None, perm_out: bool = False,
+                    route: Route | None = None) -> torch.Tensor:
+        """As TorchOps.moe_gate_up; with `route` the word kernels choose the experts inside the same launch,
+        the other paths launch route_topk first."""
+        k = x.shape[-1]
+        if route is not None and route.logits.shape[-1] > dk.ROUTE_MAX_E:  # too many experts to rank in gate/up
+            self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
+            route = None
+        if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
+            return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out,
+                                                     route=route)
+        if route is not None:
+            self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
-        k = x.shape[-1]
-        if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
-            return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out)
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
@@ -107,34 +116,63 @@ class TritonOps:
         return dk.router_logits(x, w, out)
 
     @staticmethod
+    def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, out: torch.Tensor,
+                    xn: torch.Tensor, xn_perm: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] > 16384:
+            return TorchOps.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm)
+        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm)
+
+    @staticmethod
     def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
                    ids_out: torch.Tensor) -> None:
         dk.route_topk(logits, k, renormalise, weights_out, ids_out)
+
+    def _rope_table(self, k_cache: torch.Tensor, rope_dim: int, base: float, scale: float,
+                    freq_factors: torch.Tensor | None) -> torch.Tensor:
+        key = (k_cache.shape[0], rope_dim, base, scale, freq_factors is not None, k_cache.device)
+        table = self._rope.get(key)
+        if table is None:
+            table = self._rope[key] = dk.rope_table(k_cache.shape[0], rope_dim, base, scale, freq_factors,
+                                                    device=k_cache.device)
+        return table
+
+    def _attention_scratch(self, k_cache: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        H, Dv = out.shape
+        key = (k_cache.shape[0], H, Dv, out.device)
+        scratch = self._attn_scratch.get(key)
+        if scratch is None:
+            sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
+            splits = dk.attention_splits(k_cache.shape[0], H, sms)
+            scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
+        return scratch
 
     def qk_norm_rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                            k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, q_out: torch.Tensor, *, eps: float, qk_norm: str,
                            rope_style: str, rope_dim: int, base: float, scale: float,
                            freq_factors: torch.Tensor | None) -> None:
-        key = (k_cache.shape[0], rope_dim, base, scale, freq_factors is not None, k_cache.device)
-        table = self._rope.get(key)
-        if table is None:
-            table = self._rope[key] = dk.rope_table(k_cache.shape[0], rope_dim, base, scale, freq_factors,
-                                                    device=k_cache.device)
+        table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
         dk.qk_norm_rope_store(q, k, v, q_norm_w, k_norm_w, table, pos_t, k_cache, v_cache, q_out, eps,
                               qk_norm=qk_norm, rope_style=rope_style)
 
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None) -> None:
-        H, Dv = out.shape
-        key = (k_cache.shape[0], H, Dv, q.device)
-        scratch = self._attn_scratch.get(key)
-        if scratch is None:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-            splits = dk.attention_splits(k_cache.shape[0], H, sms)
-            scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, q.device)
-        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, out_perm=out_perm)
+        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
+                            out_perm=out_perm)
+
+    def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
+                       k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, q_rot: torch.Tensor, out: torch.Tensor, *,
+                       eps: float, qk_norm: str, rope_style: str, rope_dim: int, base: float, scale: float,
+                       freq_factors: torch.Tensor | None, attn_scale: float, window: int,
+                       out_perm: torch.Tensor | None = None) -> None:
+        """As TorchOps.rope_attention in one launch pair (split + reduce): the split programs norm and rotate
+        q themselves and store this step's k and v (q_rot is not written; pos_t is kv_len_t - 1)."""
+        table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
+        rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
+        dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
+                            self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

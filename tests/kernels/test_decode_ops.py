@@ -110,6 +110,37 @@ def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: in
     close(out, want)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm,rope_style", [("full", "neox"), ("head", "norm"), ("none", "neox")])
+@pytest.mark.parametrize("h,hkv,d,dv,rope_dim,n_splits,kv_len,window", [
+    (3, 1, 16, 16, 8, 4, 1, 0), (3, 3, 32, 32, 32, 7, 17, 0), (4, 2, 32, 16, 24, 3, 70, 8),
+    (8, 1, 16, 16, 16, 1, 40, 0)])
+def test_attention_decode_rope(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, rope_dim: int,
+                               n_splits: int, kv_len: int, window: int, qk_norm: str, rope_style: str,
+                               cache_dtype: torch.dtype) -> None:
+    """attention_decode(rope=...) from the raw projections = qk_norm_rope_store at kv_len - 1, then attention_decode:
+    the same cache rows (bit for bit, the rest untouched) and the same output."""
+    n_ctx, eps, scale = 96, 1e-6, d ** -0.5
+    q, k, v = randn(gen, h * d, scale=2.0), randn(gen, hkv * d), randn(gen, hkv * dv)
+    width = {"none": (d, d), "head": (d, d), "full": (h * d, hkv * d)}[qk_norm]
+    qw, kw = randn(gen, width[0]), randn(gen, width[1])
+    table = ops.rope_table(n_ctx, rope_dim, 1000.0, 1.0, None, device=DEV)
+    k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
+    v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
+    k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
+    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
+    k2, v2, q_rot, want = k_cache.clone(), v_cache.clone(), nan(h, d), nan(h, dv)
+    ops.qk_norm_rope_store(q, k, v, qw, kw, table, kv_len_t - 1, k2, v2, q_rot, eps, qk_norm, rope_style)
+    ops.attention_decode(q_rot, k2, v2, kv_len_t, scale, window, want, ops.attention_scratch(h, dv, n_splits, DEV),
+                         block_n=16)
+    scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
+    out = nan(h, dv)
+    rope = ops.RopeStore(k, v, qw, kw, table, eps, qk_norm, rope_style)
+    ops.attention_decode(q.view(h, d), k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16, rope=rope)
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    close(out, want)
+
+
 def test_attention_decode_perm_out(gen: torch.Generator) -> None:
     """The reduce step also writes the output flattened in the word kernels' order (for attn_output)."""
     h, hkv, d, n_ctx, kv_len = 4, 2, 64, 32, 9
@@ -162,6 +193,20 @@ def test_router_topk(gen: torch.Generator, e: int, n: int, k: int) -> None:
     w_ref, id_ref = ref.route(want_logits[None], k, True)
     close(w_out, w_ref[0])
     assert torch.equal(id_out.long(), id_ref[0])
+
+
+@pytest.mark.parametrize("e,n,perm", [(7, 37, False), (64, 512, True), (3, 8192, True)])
+def test_norm_router(gen: torch.Generator, e: int, n: int, perm: bool) -> None:
+    """RMSNorm + router in one launch: the normalised x equals rms_norm's, bit for bit (every element written
+    once, by one of the E programs); the logits equal the router's product of it."""
+    x, nw, w = randn(gen, n, scale=3.0), randn(gen, n), randn(gen, e, n, scale=0.1)
+    logits, xn, xp = nan(e), nan(n), nan(n) if perm else None
+    ops.norm_router(x, nw, 1e-6, w, logits, xn, xp)
+    want_xn = ops.rms_norm(x, nw, 1e-6, nan(n))
+    assert torch.equal(xn, want_xn)
+    if perm:
+        assert torch.equal(xp, permute_k4(want_xn))
+    close(logits, (w.double() @ want_xn.double()).float())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -88,6 +88,44 @@ def test_moe_gate_up_w(qtype, perm_out, tile, device, rng) -> None:
         check_bound(got, ref, bound, seed, f"{qtype.name} gate_up ids={ids_list} {act} perm_out={perm_out} tile={tile}")
 
 
+@pytest.mark.parametrize("e,n_sel,renorm,ties", [(6, 3, False, True), (64, 8, True, False), (37, 2, True, True)])
+@pytest.mark.parametrize("qtype", WORDS, ids=lambda t: t.name)
+def test_moe_gate_up_w_routes(qtype, e, n_sel, renorm, ties, device, rng) -> None:
+    """With `route` the launch chooses the experts itself: ids, weights and h equal route_topk's choice followed
+    by the plain launch, bit for bit (ties among the logits go to the lower index in both)."""
+    gen, seed = rng
+    f, k = 37, 256
+    wg, _ = quant_weights(int(qtype), (e, f), k, gen, device)
+    wu, _ = quant_weights(int(qtype), (e, f), k, gen, device)
+    xp = permute_k4(vec(gen, k)).to(device)
+    logits = torch.tensor(gen.standard_normal(e) * 2, dtype=torch.float32)
+    if ties:  # repeated values, one tie straddling the last chosen place
+        logits = torch.round(logits * 2) / 2
+        top = torch.sort(logits, descending=True).values
+        logits[logits == top[n_sel]] = top[n_sel - 1]
+    logits = logits.to(device)
+    want_w, want_ids = torch.full((n_sel,), float("nan"), device=device), torch.full((n_sel,), -1, device=device,
+                                                                                       dtype=torch.int32)
+    dk.route_topk(logits, n_sel, renorm, want_w, want_ids)
+    want = wk.KERNELS["gate_up"][int(qtype)](wg, wu, xp, want_ids, torch.empty(n_sel, f, device=device))
+    got_w, got_ids = torch.full_like(want_w, float("nan")), torch.full_like(want_ids, -1)
+    got = wk.KERNELS["gate_up"][int(qtype)](wg, wu, xp, got_ids, torch.full((n_sel, f), float("nan"), device=device),
+                                            route=wk.Route(logits, got_w, renorm))
+    msg = f"seed={seed} {qtype.name} E={e} n_sel={n_sel} logits={logits.tolist()}"
+    assert torch.equal(got_ids, want_ids), msg
+    torch.testing.assert_close(got_w, want_w, rtol=2e-7, atol=0, msg=msg)
+    assert torch.equal(got, want), msg
+
+
+def test_moe_gate_up_w_routes_at_most_max_e(device) -> None:
+    w = torch.zeros(2, 256, 144, dtype=torch.uint8, device=device)
+    e = dk.ROUTE_MAX_E + 1
+    route = wk.Route(torch.zeros(e, device=device), torch.zeros(2, device=device), False)
+    with pytest.raises(ValueError, match=f"at most {dk.ROUTE_MAX_E} experts"):
+        wk.moe_gate_up_w(w, w, torch.zeros(256, device=device), torch.zeros(2, dtype=torch.int32, device=device),
+                         torch.zeros(2, 256, device=device), route=route)
+
+
 @pytest.mark.parametrize("qtype,size", [(T.Q4_K, 144), (T.Q8_0, 272)], ids=str)
 def test_moe_gate_up_w_perm_out_needs_whole_blocks(qtype, size, device) -> None:
     w = torch.zeros(2, 37, size, dtype=torch.uint8, device=device)

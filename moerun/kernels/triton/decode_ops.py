@@ -11,6 +11,8 @@ Plain-torch definitions: moerun/kernels/reference.py (rms_norm, rope_angles/appl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -238,12 +240,21 @@ def attention_scratch(n_head: int, head_dim_v: int, n_splits: int,
 @triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
                        k_sn, k_sh, v_sn, v_sh,
+                       kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
                        G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+                       NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
+                       BLOCK_FK: tl.constexpr):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len).
 
     q: [H, D] f32; caches [n_ctx, Hkv, D|DV]; len: [1] int. Writes m [H, S] (max of log2-scaled scores),
     l [H, S] (sum of exp2(score - m)), acc [H, S, DV] (sum of exp2(score - m) * v); empty chunk -> (-inf, 0, 0).
+
+    ROPE: q is the raw projection [H*D] and this launch first does `_qk_norm_rope_store_kernel`'s work at
+    position len-1 (the same arithmetic): each program norms and rotates its q head, and the program whose chunk
+    holds len-1 norms and rotates the raw k [Hkv*D] head (kr) and stores it and the raw v head (vr) [Hkv*DV] in the
+    caches there before its loop reads them (a CTA barrier; a GQA group's programs store the same values).
     """
     h = tl.program_id(0)
     sp = tl.program_id(1)
@@ -256,7 +267,28 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
 
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
+    if ROPE:
+        pos = kv_len - 1
+        pos64 = pos.to(tl.int64)
+        cs = cs_ptr + pos64 * R
+        wq = qw_ptr
+        if QK_NORM == 2:
+            wq = qw_ptr + h * D
+        q = _norm_rope_head(q_ptr + h * D, q_ptr, wq, cs, eps, H * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FQ)
+        if (lo <= pos) & (pos < hi):
+            HKV: tl.constexpr = H // G
+            wk = kw_ptr
+            if QK_NORM == 2:
+                wk = kw_ptr + kvh * D
+            kn = _norm_rope_head(kr_ptr + kvh * D, kr_ptr, wk, cs, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D,
+                                 BLOCK_FK)
+            _cast_store(k_ptr + pos64 * k_sn + kvh * k_sh + d, kn, d < D, K_BF16)
+            vn = tl.load(vr_ptr + kvh * DV + dv, mask=dv < DV, other=0.0)
+            _cast_store(v_ptr + pos64 * v_sn + kvh * v_sh + dv, vn, dv < DV, V_BF16)
+        tl.debug_barrier()  # this program's loop reads position len-1 from the caches
+        q = q * qk_scale
+    else:
+        q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     k_base = k_ptr + kvh * k_sh
     v_base = v_ptr + kvh * v_sh
     m_i = -float("inf")
@@ -316,11 +348,27 @@ def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, DV: tl.constex
         tl.store(perm_ptr + perm_slot(h * DV + dv), out, mask=dv < DV)
 
 
+class RopeStore(NamedTuple):
+    """What `qk_norm_rope_store` takes besides q, for `attention_decode(rope=...)` to do its work in the same
+    launch: the raw k [Hkv*D] and v [Hkv*Dv] f32, the norm weights (or None), the RoPE table (`rope_table`),
+    eps, qk_norm ("none" | "head" | "full") and rope_style ("norm" | "neox")."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    q_norm_w: torch.Tensor | None
+    k_norm_w: torch.Tensor | None
+    rope_cs: torch.Tensor
+    eps: float
+    qk_norm: str
+    rope_style: str
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                      scale: float, window: int, out: torch.Tensor,
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
-                     split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None) -> torch.Tensor:
+                     split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
+                     rope: RopeStore | None = None) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -329,6 +377,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). out_perm
     ([H * Dv], H * Dv % 256 == 0): also receives out flattened in wmatvec.permute_k4 order. Returns out.
     With GQA the G query heads of a kv head are adjacent programs reading the same K/V tiles (mostly L2 hits).
+    rope: q is the raw projection (q.view(H, D)) and the launch first does `qk_norm_rope_store`'s work at position
+    L-1 (the cache row this step writes), with the same arithmetic: one launch less per layer.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -336,12 +386,24 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n_splits = m_s.shape[1]
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and h % hkv == 0
     if split:
+        if rope is None:
+            rargs, rconst = (q, q, q, q, q, 0.0), dict(ROPE=False, H=h, R=2, QK_NORM=0, NEOX=0, K_BF16=False,
+                                                       V_BF16=False, BLOCK_FQ=1, BLOCK_FK=1)
+        else:
+            norm = QK_NORM_KINDS[rope.qk_norm]
+            r = 2 * rope.rope_cs.shape[-1]
+            assert r <= d and r % 2 == 0
+            rargs = (rope.k, rope.v, rope.q_norm_w if norm else q, rope.k_norm_w if norm else q, rope.rope_cs,
+                     float(rope.eps))
+            rconst = dict(ROPE=True, H=h, R=r, QK_NORM=norm, NEOX=ROPE_STYLES[rope.rope_style],
+                          K_BF16=k_cache.dtype == torch.bfloat16, V_BF16=v_cache.dtype == torch.bfloat16,
+                          BLOCK_FQ=_np2(h * d) if norm == 2 else 1, BLOCK_FK=_np2(hkv * d) if norm == 2 else 1)
         _attn_split_kernel[(h, n_splits)](
             q, k_cache, v_cache, kv_len_t, m_s, l_s, acc_s, float(scale) * LOG2E,
             int(window) if window > 0 else NO_WINDOW,
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            num_warps=num_warps)
+            **rconst, num_warps=num_warps)
     if reduce:
         if out_perm is not None and (h * dv) % 256:
             raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
@@ -378,6 +440,43 @@ def softmax_topk(logits, e, emask, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_
     if RENORM:
         wv = wv / tl.sum(wv, 0)
     return wv, iv
+
+
+ROUTE_MAX_E = 256  # most experts `softmax_rank` takes (its comparison tile is [E, E])
+
+
+@triton.jit
+def softmax_rank(logits_ptr, E, BLOCK_E: tl.constexpr):
+    """Device helper: logits [E] f32 at logits_ptr -> (x [BLOCK_E] the logits, -inf on lanes >= E;
+    rank [BLOCK_E] int32, 0 = the largest logit, ties to the lower index; e = arange(BLOCK_E)).
+
+    Softmax keeps the order, so the first K ranks are `softmax_topk`'s choice; the ranks need no softmax and no
+    serial rounds (only `store_topk` computes probabilities): each expert counts the experts ahead of it in one
+    [BLOCK_E, BLOCK_E] comparison tile, summed down its column (within a thread: no shuffles). Two logits that
+    differ but round to the same probability keep their logit order here (softmax_topk: the lower index first;
+    their weights are equal either way). BLOCK_E <= ROUTE_MAX_E."""
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf"))
+    ahead = (x[:, None] > x[None, :]) | ((x[:, None] == x[None, :]) & (e[:, None] < e[None, :]))
+    rank = tl.sum(ahead.to(tl.int32), 0)
+    return x, rank, e
+
+
+@triton.jit
+def store_topk(x, rank, e, E, w_out_ptr, id_out_ptr, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Device helper: from `softmax_rank`'s (x, rank, e), store the K best softmax weights [K] f32 (softmax over
+    all E, descending; renormalised to sum 1 with RENORM) and their ids [K] int32."""
+    emask = e < E
+    ex = tl.where(emask, tl.exp(x - tl.max(x, 0)), 0.0)
+    p = ex / tl.sum(ex, 0)
+    kk = tl.arange(0, BLOCK_K)
+    hit = rank[:, None] == kk[None, :]  # [BLOCK_E, BLOCK_K]: one lane per slot
+    wv = tl.where(kk < K, tl.sum(tl.where(hit, p[:, None], 0.0), 0), 0.0)
+    iv = tl.sum(tl.where(hit, e[:, None], 0), 0)
+    if RENORM:
+        wv = wv / tl.sum(wv, 0)
+    tl.store(w_out_ptr + kk, wv, mask=kk < K)
+    tl.store(id_out_ptr + kk, iv, mask=kk < K)
 
 
 @triton.jit
@@ -424,6 +523,42 @@ def router_logits(x: torch.Tensor, w_router: torch.Tensor, logits_out: torch.Ten
     row (a full row per program: no split-K, so no atomics and a fixed summation order)."""
     e, n = w_router.shape
     _matvec_f32_kernel[(e,)](x, w_router, logits_out, N=n, BLOCK_R=1, BLOCK_K=min(_np2(n), 1024), num_warps=4)
+    return logits_out
+
+
+@triton.jit
+def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, eps, N, E, BLOCK: tl.constexpr,
+                        PERM: tl.constexpr):
+    """Program e (of E): y = x * rsqrt(mean(x^2) + eps) * nw (`_rms_norm_kernel`'s arithmetic, so the same bits
+    at the same BLOCK and warps), out[e] = W[e] . y; lanes i with i % E == e store y into xn (and into xp at
+    `perm_slot(i)` with PERM), so the E programs write y once between them. x, nw: [N] f32, W: [E, N] f32."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
+    y = x * r * nw
+    wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + e, tl.sum(wr * y, 0))
+    mine = mask & (offs % E == e)
+    tl.store(xn_ptr + offs, y, mask=mine)
+    if PERM:
+        tl.store(xp_ptr + perm_slot(offs), y, mask=mine)
+
+
+def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, logits_out: torch.Tensor,
+                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm + router matvec in one launch: xn_out = rms_norm(x) * norm_w (as `rms_norm`, bit for bit),
+    logits_out = W xn_out. x, norm_w: [N] f32 (N <= 16384); w_router: [E, N] f32 contiguous; logits_out [E];
+    xn_perm ([N], N % 256 == 0): also receives xn_out in permute_k4 order. E programs. Returns logits_out."""
+    e, n = w_router.shape
+    if xn_perm is not None and n % 256:
+        raise ValueError(f"xn_perm needs N % 256 == 0, got N = {n}")
+    block = _np2(n)
+    _norm_router_kernel[(e,)](x, norm_w, w_router, logits_out, xn_out, xn_out if xn_perm is None else xn_perm,
+                              float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
+                              num_warps=8 if block >= 4096 else 4)
     return logits_out
 
 

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moerun.kernels.torch_ops import permute_k4
+from moerun.kernels.torch_ops import Route, permute_k4
+from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, softmax_rank, store_topk
 from moerun.kernels.triton.qgemm import _i8f
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
@@ -251,15 +252,33 @@ def _store_h(out_ptr, row, F, g, u, ACT: tl.constexpr, PERM_OUT: tl.constexpr):
 
 
 @triton.jit
-def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_ue, stride_out,
-                     fq_mask, fq_one, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-                     ACT: tl.constexpr, PERM_OUT: tl.constexpr):
-    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, 36 N_BLOCKS], x: permuted f32 [K], ids: [n_sel],
-    out: [n_sel, F]."""
+def _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The expert of this gate/up program's selection slot (program_id(1)), int64: ids[slot]; or with ROUTE
+    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `softmax_rank`), and then
+    program (0, 0) also stores the N_SEL chosen ids and weights into ids / wts for the down product."""
+    sel = tl.program_id(1)
+    if ROUTE:
+        x, rank, e = softmax_rank(route_ptr, E, BLOCK_E)
+        if (sel == 0) & (tl.program_id(0) == 0):
+            store_topk(x, rank, e, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_K)
+        eid = tl.sum(tl.where(rank == sel, e, 0), 0)
+    else:
+        eid = tl.load(ids_ptr + sel)
+    return eid.to(tl.int64)
+
+
+@triton.jit
+def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, route_ptr, wts_ptr, E, out_ptr, F, stride_ge, stride_ue,
+                     stride_out, fq_mask, fq_one, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                     ACT: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr, N_SEL: tl.constexpr,
+                     RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, 36 N_BLOCKS], x: permuted f32 [K], ids: [n_sel] (written
+    with ROUTE, see `_expert_id`), out: [n_sel, F]."""
     SW: tl.constexpr = 36 * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     wg = wg_ptr + eid * stride_ge + row0.to(tl.int64) * SW
     wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
     ga, gm = _zeros_rows(R, NB)
@@ -334,22 +353,37 @@ def qmatvec_w(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: to
     return out
 
 
+def _route_args(route: Route | None, ids: torch.Tensor) -> tuple[tuple, dict]:
+    """The routing arguments of the gate/up kernels: (route_ptr, wts_ptr, E) and their constexprs."""
+    if route is None:
+        return (ids, ids, 1), dict(ROUTE=False, N_SEL=ids.shape[0], RENORM=False, BLOCK_E=1, BLOCK_K=1)
+    e = route.logits.shape[-1]
+    if e > ROUTE_MAX_E:
+        raise ValueError(f"gate/up routes at most {ROUTE_MAX_E} experts itself, got {e}: route_topk first")
+    return ((route.logits, route.weights_out, e),
+            dict(ROUTE=True, N_SEL=ids.shape[0], RENORM=bool(route.renormalise), BLOCK_E=_np2(e),
+                 BLOCK_K=_np2(ids.shape[0])))
+
+
 def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor,
                   out: torch.Tensor, act: str = "silu", *, perm_out: bool = False,
-                  tile: WTile | None = None) -> torch.Tensor:
+                  tile: WTile | None = None, route: Route | None = None) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts, in one launch.
 
-    w_gate/w_up: uint8 [E, F, row_bytes]; xp: f32 [K] in permute_k4 order; ids: int [n_sel] on the device;
-    out: f32 [n_sel, F], each row in natural order, or in permute_k4 order with perm_out (F % 256 == 0).
+    w_gate/w_up: uint8 [E, F, row_bytes]; xp: f32 [K] in permute_k4 order; ids: int32 [n_sel] on the device
+    (with `route`, an output: the launch chooses the experts from the router's logits and writes ids and
+    route.weights_out); out: f32 [n_sel, F], each row in natural order, or in permute_k4 order with perm_out
+    (F % 256 == 0).
     """
     f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile)
     wg, wu = _words(w_gate, k), _words(w_up, k)
+    rargs, rconst = _route_args(route, ids)
     _wgate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        wg, wu, xp, ids, out, f, wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
-        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
+        wg, wu, xp, ids, *rargs, out, f, wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
@@ -558,13 +592,16 @@ def _wmvx_kernel(w32_ptr, w16_ptr, w8_ptr, x_ptr, res_ptr, out_ptr, M, QT: tl.co
 
 
 @triton.jit
-def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr, ids_ptr, out_ptr, F,
-                      stride_ge, stride_ue, stride_out, QT: tl.constexpr, GU: tl.constexpr, N_BLOCKS: tl.constexpr,
-                      R: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr):
-    """Grid (cdiv(F, R), n_sel). Experts [E, F, GU N_BLOCKS units] (strides in units); x permuted f32 [K]."""
+def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr, ids_ptr, route_ptr, wts_ptr, E,
+                      out_ptr, F, stride_ge, stride_ue, stride_out, QT: tl.constexpr, GU: tl.constexpr,
+                      N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, ACT: tl.constexpr,
+                      PERM_OUT: tl.constexpr, ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (cdiv(F, R), n_sel). Experts [E, F, GU N_BLOCKS units] (strides in units); x permuted f32 [K];
+    ids / routing as `_wgate_up_kernel`."""
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     first = row0.to(tl.int64) * (GU * N_BLOCKS)
     gp, gh, gb, glead = _xbase(QT, g32_ptr, g16_ptr, g8_ptr, eid * stride_ge + first)
     up, uh, ub, ulead = _xbase(QT, u32_ptr, u16_ptr, u8_ptr, eid * stride_ue + first)
@@ -649,7 +686,7 @@ def _qmatvec_x(qtype: int, w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor,
 
 def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor,
                    out: torch.Tensor, act: str = "silu", *, perm_out: bool = False,
-                   tile: WTile | None = None) -> torch.Tensor:
+                   tile: WTile | None = None, route: Route | None = None) -> torch.Tensor:
     f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
@@ -658,9 +695,10 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
     if gu != gu_up:
         raise ValueError("gate and up must have the same layout (both padded or neither)")
     t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile, qtype)
+    rargs, rconst = _route_args(route, ids)
     _wgate_upx_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        g32, g16, g8, u32, u16, u8, xp, ids, out, f, sg, su, out.stride(0), QT=qtype, GU=gu,
-        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
+        g32, g16, g8, u32, u16, u8, xp, ids, *rargs, out, f, sg, su, out.stride(0), QT=qtype, GU=gu,
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
@@ -701,6 +739,6 @@ PAD: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {("mv", Q6_
 MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
 WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
 
-__all__ = ["KERNELS", "PAD", "WORD_TYPES", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8",
+__all__ = ["KERNELS", "PAD", "WORD_TYPES", "Route", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8",
            "moe_gate_up_w", "moe_gate_up_w6", "moe_gate_up_w8", "pad_q6k", "permute_k4", "qmatvec_w", "qmatvec_w6",
            "qmatvec_w8", "supports", "wtile_for"]
