@@ -99,10 +99,11 @@ def test_moe_gate_up_w_routes(qtype, e, n_sel, renorm, ties, device, rng) -> Non
     wu, _ = quant_weights(int(qtype), (e, f), k, gen, device)
     xp = permute_k4(vec(gen, k)).to(device)
     logits = torch.tensor(gen.standard_normal(e) * 2, dtype=torch.float32)
-    if ties:  # repeated values, one tie straddling the last chosen place
+    if ties:  # repeated values, one tie straddling the last chosen place; signed zeros (equal values)
         logits = torch.round(logits * 2) / 2
         top = torch.sort(logits, descending=True).values
         logits[logits == top[n_sel]] = top[n_sel - 1]
+        logits[logits == 0] = torch.tensor([0.0, -0.0]).repeat(e)[: int((logits == 0).sum())]
     logits = logits.to(device)
     want_w, want_ids = torch.full((n_sel,), float("nan"), device=device), torch.full((n_sel,), -1, device=device,
                                                                                        dtype=torch.int32)
