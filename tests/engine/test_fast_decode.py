@@ -6,6 +6,7 @@ interpreter in tests/kernels); on CUDA with the Triton kernels, eagerly and as a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,26 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
             assert len(runs) == 1
             base = runs[0][0].raw.untyped_storage().data_ptr()
             assert all(t.raw.untyped_storage().data_ptr() == base for t in (q, k, v))
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors under Triton's interpreter only (on CUDA the tests above run the Triton step)")
+def test_triton_step_in_the_interpreter(tmp_path: Path) -> None:
+    """The Triton ops' step on the CPU under Triton's interpreter (about a minute a step): two steps of synth's tiny
+    OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
+    top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the word kernels) end to end."""
+    from moerun.synth import synthesize
+
+    path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
+    synthesize("tiny-olmoe-1b-7b", "q4_k_m", path, progress=False)
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    tokens = [5, 17]
+    ref = Engine(path, fast=False, **kw).forward(tokens)
+    eng = Engine(path, fast=True, ops="triton", graph=False, **kw)
+    for i, tok in enumerate(tokens):
+        eng.decode(tok)
+        err = rel_err(eng.fast.logits, ref[i])
+        assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")
