@@ -442,41 +442,43 @@ def softmax_topk(logits, e, emask, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_
     return wv, iv
 
 
-ROUTE_MAX_E = 256  # most experts `softmax_rank` takes (its comparison tile is [E, E])
+ROUTE_MAX_E = 256  # most experts `topk_logits` ranks inside a gate/up launch
 
 
 @triton.jit
-def softmax_rank(logits_ptr, E, BLOCK_E: tl.constexpr):
-    """Device helper: logits [E] f32 at logits_ptr -> (x [BLOCK_E] the logits, -inf on lanes >= E;
-    rank [BLOCK_E] int32, 0 = the largest logit, ties to the lower index; e = arange(BLOCK_E)).
+def topk_logits(logits_ptr, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Device helper: the BLOCK_K largest of the logits [E] f32 at logits_ptr, descending, ties to the lower index
+    -> (ids [BLOCK_K] int32, their logits [BLOCK_K] f32, all the logits x [BLOCK_E] f32, -inf on lanes >= E).
 
-    Softmax keeps the order, so the first K ranks are `softmax_topk`'s choice; the ranks need no softmax and no
-    serial rounds (only `store_topk` computes probabilities): each expert counts the experts ahead of it in one
-    [BLOCK_E, BLOCK_E] comparison tile, summed down its column (within a thread: no shuffles). Two logits that
-    differ but round to the same probability keep their logit order here (softmax_topk: the lower index first;
-    their weights are equal either way). BLOCK_E <= ROUTE_MAX_E."""
+    Softmax keeps the order, so the first K are `softmax_topk`'s choice. One bitonic `tl.topk` over int64 keys:
+    the logit's bits made order-preserving as a signed int (high word) over BLOCK_E - 1 - e (low word, the tie
+    rule). Two logits that differ but round to the same probability keep their logit order here (softmax_topk:
+    the lower index first; their weights are equal either way)."""
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf"))
-    ahead = (x[:, None] > x[None, :]) | ((x[:, None] == x[None, :]) & (e[:, None] < e[None, :]))
-    rank = tl.sum(ahead.to(tl.int32), 0)
-    return x, rank, e
+    x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf")) + 0.0  # -0.0 -> +0.0: equal keys for equal values
+    b = x.to(tl.int32, bitcast=True)
+    o = tl.where(b < 0, b ^ 0x7FFFFFFF, b)  # negative floats reversed: signed int order = float order
+    top = tl.topk((o.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64), BLOCK_K)  # [BLOCK_K] descending
+    ids = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    ot = (top >> 32).to(tl.int32)
+    xt = tl.where(ot < 0, ot ^ 0x7FFFFFFF, ot).to(tl.float32, bitcast=True)
+    return ids, xt, x
 
 
 @triton.jit
-def store_topk(x, rank, e, E, w_out_ptr, id_out_ptr, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Device helper: from `softmax_rank`'s (x, rank, e), store the K best softmax weights [K] f32 (softmax over
-    all E, descending; renormalised to sum 1 with RENORM) and their ids [K] int32."""
-    emask = e < E
-    ex = tl.where(emask, tl.exp(x - tl.max(x, 0)), 0.0)
-    p = ex / tl.sum(ex, 0)
+def store_topk(ids, xt, x, E, w_out_ptr, id_out_ptr, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Device helper: from `topk_logits`' (ids, xt, x), store the K best softmax weights [K] f32 (softmax over all
+    E, descending; renormalised to sum 1 with RENORM) and their ids [K] int32."""
+    emask = tl.arange(0, BLOCK_E) < E
+    mx = tl.max(x, 0)
+    s = tl.sum(tl.where(emask, tl.exp(x - mx), 0.0), 0)
     kk = tl.arange(0, BLOCK_K)
-    hit = rank[:, None] == kk[None, :]  # [BLOCK_E, BLOCK_K]: one lane per slot
-    wv = tl.where(kk < K, tl.sum(tl.where(hit, p[:, None], 0.0), 0), 0.0)
-    iv = tl.sum(tl.where(hit, e[:, None], 0), 0)
+    wv = tl.where(kk < K, tl.exp(xt - mx) / s, 0.0)
     if RENORM:
         wv = wv / tl.sum(wv, 0)
     tl.store(w_out_ptr + kk, wv, mask=kk < K)
-    tl.store(id_out_ptr + kk, iv, mask=kk < K)
+    tl.store(id_out_ptr + kk, ids, mask=kk < K)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import Route, permute_k4
-from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, softmax_rank, store_topk
+from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, store_topk, topk_logits
 from moerun.kernels.triton.qgemm import _i8f
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
 
@@ -255,14 +255,14 @@ def _store_h(out_ptr, row, F, g, u, ACT: tl.constexpr, PERM_OUT: tl.constexpr):
 def _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr,
                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """The expert of this gate/up program's selection slot (program_id(1)), int64: ids[slot]; or with ROUTE
-    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `softmax_rank`), and then
+    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `topk_logits`), and then
     program (0, 0) also stores the N_SEL chosen ids and weights into ids / wts for the down product."""
     sel = tl.program_id(1)
     if ROUTE:
-        x, rank, e = softmax_rank(route_ptr, E, BLOCK_E)
+        ids, xt, x = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K)
         if (sel == 0) & (tl.program_id(0) == 0):
-            store_topk(x, rank, e, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_K)
-        eid = tl.sum(tl.where(rank == sel, e, 0), 0)
+            store_topk(ids, xt, x, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_E, BLOCK_K)
+        eid = tl.sum(tl.where(tl.arange(0, BLOCK_K) == sel, ids, 0), 0)
     else:
         eid = tl.load(ids_ptr + sel)
     return eid.to(tl.int64)
