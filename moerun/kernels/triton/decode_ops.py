@@ -102,31 +102,55 @@ def rope_pairs(d, R: tl.constexpr, NEOX: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
-                    WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
-                    NEOX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FULL: tl.constexpr):
-    """One head [D] at x_ptr, optionally RMS-normed (per head, or over the WIDTH floats at full_ptr; w_ptr already
-    points at this head's D weights), then RoPE'd on its first R dims with cos at cs_ptr[0:R/2], sin at cs_ptr[R/2:R].
-    Returns [BLOCK_D] f32 (lanes >= D are garbage-free zeros)."""
+def _head_loads(x_ptr, full_ptr, w_ptr, cs_ptr, WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                QK_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FULL: tl.constexpr):
+    """Everything `_norm_rope_head` reads, as one tuple for `_head_math`: issue several heads' loads before any of
+    their math (a reduction synchronises the warps, and no load moves across that barrier)."""
     HALF: tl.constexpr = R // 2
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     rot, partner, fi, sign = rope_pairs(d, R, NEOX)
     x = tl.load(x_ptr + d, mask=dmask, other=0.0)
     xp = tl.load(x_ptr + partner, mask=rot, other=0.0)
-    if QK_NORM == 1:
-        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / D + eps)
-        x = x * r * tl.load(w_ptr + d, mask=dmask, other=0.0)
-        xp = xp * r * tl.load(w_ptr + partner, mask=rot, other=0.0)
-    elif QK_NORM == 2:
-        f = tl.arange(0, BLOCK_FULL)
-        xf = tl.load(full_ptr + f, mask=f < WIDTH, other=0.0)
-        r = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 0) / WIDTH + eps)
-        x = x * r * tl.load(w_ptr + d, mask=dmask, other=0.0)
-        xp = xp * r * tl.load(w_ptr + partner, mask=rot, other=0.0)
     c = tl.load(cs_ptr + fi, mask=rot, other=1.0)
     s = tl.load(cs_ptr + HALF + fi, mask=rot, other=0.0)
+    w = 1.0
+    wp = 1.0
+    xf = 0.0
+    if QK_NORM != 0:
+        w = tl.load(w_ptr + d, mask=dmask, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0)
+    if QK_NORM == 2:
+        f = tl.arange(0, BLOCK_FULL)
+        xf = tl.load(full_ptr + f, mask=f < WIDTH, other=0.0)
+    return x, xp, c, s, w, wp, xf
+
+
+@triton.jit
+def _head_math(loads, eps, WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+               NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
+    x, xp, c, s, w, wp, xf = loads
+    rot, partner, fi, sign = rope_pairs(tl.arange(0, BLOCK_D), R, NEOX)
+    if QK_NORM == 1:
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / D + eps)
+        x = x * r * w
+        xp = xp * r * wp
+    elif QK_NORM == 2:
+        r = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 0) / WIDTH + eps)
+        x = x * r * w
+        xp = xp * r * wp
     return tl.where(rot, x * c + sign * (xp * s), x)
+
+
+@triton.jit
+def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
+                    WIDTH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+                    NEOX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_FULL: tl.constexpr):
+    """One head [D] at x_ptr, optionally RMS-normed (per head, or over the WIDTH floats at full_ptr; w_ptr already
+    points at this head's D weights), then RoPE'd on its first R dims with cos at cs_ptr[0:R/2], sin at cs_ptr[R/2:R].
+    Returns [BLOCK_D] f32 (lanes >= D are garbage-free zeros)."""
+    loads = _head_loads(x_ptr, full_ptr, w_ptr, cs_ptr, WIDTH, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FULL)
+    return _head_math(loads, eps, WIDTH, D, R, QK_NORM, NEOX, BLOCK_D)
 
 
 @triton.jit
@@ -252,8 +276,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     l [H, S] (sum of exp2(score - m)), acc [H, S, DV] (sum of exp2(score - m) * v); empty chunk -> (-inf, 0, 0).
 
     ROPE: q is the raw projection [H*D] and this launch first does `_qk_norm_rope_store_kernel`'s work at
-    position len-1 (the same arithmetic): each program norms and rotates its q head, and the program whose chunk
-    holds len-1 norms and rotates the raw k [Hkv*D] head (kr) and stores it and the raw v head (vr) [Hkv*DV] in the
+    position len-1 (the same arithmetic): each program norms and rotates its q head and its kv head's raw k
+    [Hkv*D] (kr), and the program whose chunk holds len-1 stores that k and the raw v head (vr) [Hkv*DV] in the
     caches there before its loop reads them (a CTA barrier; a GQA group's programs store the same values).
     """
     h = tl.program_id(0)
@@ -274,16 +298,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         wq = qw_ptr
         if QK_NORM == 2:
             wq = qw_ptr + h * D
-        q = _norm_rope_head(q_ptr + h * D, q_ptr, wq, cs, eps, H * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FQ)
+        # k and v of this step in every program (L2 reads, their loads issued with q's), stored by the writer
+        HKV: tl.constexpr = H // G
+        wk = kw_ptr
+        if QK_NORM == 2:
+            wk = kw_ptr + kvh * D
+        vn = tl.load(vr_ptr + kvh * DV + dv, mask=dv < DV, other=0.0)
+        lq = _head_loads(q_ptr + h * D, q_ptr, wq, cs, H * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FQ)
+        lk = _head_loads(kr_ptr + kvh * D, kr_ptr, wk, cs, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FK)
+        q = _head_math(lq, eps, H * D, D, R, QK_NORM, NEOX, BLOCK_D)
+        kn = _head_math(lk, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D)
         if (lo <= pos) & (pos < hi):
-            HKV: tl.constexpr = H // G
-            wk = kw_ptr
-            if QK_NORM == 2:
-                wk = kw_ptr + kvh * D
-            kn = _norm_rope_head(kr_ptr + kvh * D, kr_ptr, wk, cs, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D,
-                                 BLOCK_FK)
             _cast_store(k_ptr + pos64 * k_sn + kvh * k_sh + d, kn, d < D, K_BF16)
-            vn = tl.load(vr_ptr + kvh * DV + dv, mask=dv < DV, other=0.0)
             _cast_store(v_ptr + pos64 * v_sn + kvh * v_sh + dv, vn, dv < DV, V_BF16)
         tl.debug_barrier()  # this program's loop reads position len-1 from the caches
         q = q * qk_scale
@@ -300,13 +326,14 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         nmask = n < hi
         rows = n.to(tl.int64)
         k = tl.load(k_base + rows[:, None] * k_sn + d[None, :], mask=nmask[:, None] & (d < D)[None, :], other=0.0)
+        # V issued with K: the reductions below synchronise the warps, and no load moves across that barrier
+        v = tl.load(v_base + rows[:, None] * v_sn + dv[None, :], mask=nmask[:, None] & (dv < DV)[None, :], other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BLOCK_N]
         s = tl.where(nmask, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(v_base + rows[:, None] * v_sn + dv[None, :], mask=nmask[:, None] & (dv < DV)[None, :], other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         m_i = m_new
         n0 += BLOCK_N
