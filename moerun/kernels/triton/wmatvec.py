@@ -464,6 +464,7 @@ def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
     xs = ()
     if QT == 14:  # [NB, 2 (h), 16 (tt)] at 64k + 32h + 16n + tt
         xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+        xo = tl.max_contiguous(xo, [1, 1, 1])  # scalar loads, in the layout of the words'
         for j in tl.static_range(8):
             xs = xs + (tl.load(x_ptr + xo + 64 * (j // 2) + 16 * (j % 2)),)
         lo = xs[0] + xs[2] + xs[4] + xs[6]
