@@ -23,14 +23,15 @@ from moerun.quant import random_blocks
 
 N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": "_wgate_up_kernel",
-           "down": "_wdown_kernel", "mv6": "_wmvx_kernel", "down6": "_wdownx_kernel"}  # mv6 / down6: Q6_K;
+           "down": "_wdown_kernel", "mv6": "_wmvx_kernel", "down6": "_wdownx_kernel", "mv8": "_wmvx_kernel",
+           "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel"}  # mv6 / down6: Q6_K; *8: Q8_0;
 # gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
     *lead, k = lead_k
     n = int(np.prod(lead))
-    raw = random_blocks(qtype, n * k // 256, np.random.default_rng(0))
+    raw = random_blocks(qtype, n * k // (32 if qtype == 8 else 256), np.random.default_rng(0))  # Q8_0: 32 per block
     return torch.from_numpy(raw).reshape(*lead, k // 256 * size)
 
 
@@ -40,6 +41,10 @@ def _q4k(*lead_k: int) -> torch.Tensor:
 
 def _q6k(*lead_k: int) -> torch.Tensor:
     return _blocks(14, 210, *lead_k)
+
+
+def _q80(*lead_k: int) -> torch.Tensor:
+    return _blocks(8, 272, *lead_k)
 
 
 def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
@@ -54,6 +59,14 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
             wk.qmatvec_w6(_q6k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "mv8":
+            wk.qmatvec_w8(_q80(N, N), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "down8":
+            wk.moe_down_w8(_q80(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
+                           torch.empty(N), tile=tile)
+        elif kind == "gate_up8":
+            w = _q80(E, F, N)
+            wk.moe_gate_up_w8(w, w, torch.zeros(N), ids, torch.empty(TOPK, F), perm_out=True, tile=tile)
         elif kind == "down6":
             wk.moe_down_w6(_q6k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
                            torch.empty(N), tile=tile)
