@@ -9,6 +9,7 @@
 #   OLMoE with the word kernels vs the byte kernels, fast-decode tests), decodetests (decode kernels + steps),
 #   pad:TYPE (Q6_K output on a padded copy vs the file's rows: tests, micro, profiles and tg128 of OLMoE),
 #   ab:TYPE (tg128 of package trees abtree/NAME, NAME in AB_TREES, alternating; the synthesized file is kept),
+#   ncu:TYPE (Nsight Compute counters of one eager OLMoE decode step, per kernel: benchmarks/ncu_step.py),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -121,6 +122,14 @@ for stage in "$@"; do
       if [ "${stage%%:*}" = tg ]; then bench "$f" "olmoe-1b-7b-$t-tg" -p 0 -n 128 -r 5 -d 0,4096
       else bench "$f" "olmoe-1b-7b-$t-pp" -p 512,4096 -n 0 -r 5; fi
       rm -f "$f" ;;
+    ncu:*)  # hardware counters of one eager decode step (Firecracker machines; --clock-control none: METHOD.md)
+      t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
+        2>&1 | tail -1
+      timeout 400 "$NCU" --profile-from-start off --clock-control none --csv --page raw \
+        --metrics "$(python3 benchmarks/ncu_step.py --metrics)" python3 benchmarks/ncu_step.py "$f" \
+        > "$OUT/ncu-$t.csv" 2> "$OUT/ncu-$t.err"; tail -3 "$OUT/ncu-$t.err" | tee -a "$LOG"
+      python3 benchmarks/ncu_step.py --summarise "$OUT/ncu-$t.csv" 2>&1 | tee -a "$LOG" ;;
     decodetests)
       MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
         tests/kernels/test_decode_ops.py tests/engine/test_fast_decode.py 2>&1 | tail -3 | tee -a "$LOG" ;;
