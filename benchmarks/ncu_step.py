@@ -60,11 +60,11 @@ def summarise(path: str) -> None:
                     pass
         per[r[col["Kernel Name"]]].append(vals)
     unit = {m: units[col[m]] for m in METRICS.values() if m in col}
-    print(f"units: us={unit.get(METRICS['us'])}, DRAM={unit.get(METRICS['DRAM MB'])}, cyc={unit.get(METRICS['cyc'])}")
+    print(f"us: mean kernel time (ncu's unit {unit.get(METRICS['us'])}), DRAM MB read, inst M: warp instructions")
     keys = [k for k in METRICS if METRICS[k] in col]
     print("| kernel | calls | " + " | ".join(keys) + " | top stalls (cycles per issue) |")
     print("|---|---:|" + "---:|" * len(keys) + "---|")
-    total = {n: sum(v.get(METRICS["us"], 0) for v in vs) for n, vs in per.items()}
+    total = {n: sum(v.get(METRICS["us"], 0) for v in vs) for n, vs in per.items()}  # sort key: any unit
     for name in sorted(per, key=lambda n: -total[n]):
         vs = per[name]
         avg = {m: sum(v.get(m, 0.0) for v in vs) / len(vs) for m in vs[0]}
@@ -73,6 +73,8 @@ def summarise(path: str) -> None:
             x = avg.get(METRICS[k], float("nan"))
             if k == "inst M":
                 x /= 1e6
+            if k == "us":
+                x *= {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(unit.get(METRICS[k], "us"), 1.0)
             if k == "DRAM MB":
                 x /= 1e6 if unit.get(METRICS[k], "byte") == "byte" else 1
             cells.append(f"{x:.3g}" if k not in ("grid", "regs", "block") else f"{x:.0f}")
