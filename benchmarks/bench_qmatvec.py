@@ -109,9 +109,9 @@ class Case:
         return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile)
                 for w, _, i in self.launches]
 
-    def wfns(self, tile: W.WTile | None, padded: bool = False) -> list[Callable[[], object]]:
+    def wfns(self, tile: W.WTile | None, padded: bool | str = False) -> list[Callable[[], object]]:
         """The word kernels (wmatvec.KERNELS) on the same launches; x permuted once outside the timed region.
-        padded: Q6_K weights copied by `pad_q6k` (word-aligned blocks) first."""
+        padded: Q6_K weights copied by `pad_q6k` (word-aligned blocks) first; "bytes": by `bytes_q6k`."""
         xp = permute_k4(self.x)
         fn = W.KERNELS[self.kind][self.qtype]
         done: dict[int, torch.Tensor] = {}  # each weight tensor padded once
@@ -119,7 +119,7 @@ class Case:
         def pad(w: torch.Tensor | None) -> torch.Tensor | None:
             if w is None or not padded:
                 return w
-            return done.setdefault(id(w), W.pad_q6k(w))
+            return done.setdefault(id(w), W.bytes_q6k(w) if padded == "bytes" else W.pad_q6k(w))
 
         if self.kind == "mv":
             ws = [pad(w) for w in self.ws]
@@ -228,6 +228,10 @@ def main() -> None:
                     row.setdefault("words_padded", {})[spec] = tw * 1e6
                     print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
                           "padded", flush=True)
+                    tw = graph_time(case.wfns(wt, padded="bytes"))  # one byte per value (Q6B)
+                    row.setdefault("words_bytes", {})[spec] = tw * 1e6
+                    print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
+                          "bytes", flush=True)
                     torch.cuda.empty_cache()
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \

@@ -11,7 +11,7 @@ from moerun.kernels.torch_ops import TorchOps
 def make_ops(name: str) -> Any:
     """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel);
     "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs);
-    "triton-unpadded" -> TritonOps reading only the file's rows (no word-aligned Q6_K output copy)."""
+    "triton-unpadded" -> TritonOps reading only the file's rows (no repacked Q6_K copies)."""
     if name == "torch":
         return TorchOps()
     if name in OPS_NAMES:

@@ -21,8 +21,8 @@ class TritonOps:
 
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
-    pad: the word-kernel products in wmatvec.PAD (the Q6_K output matrix) read a word-aligned copy of their
-    matrices (`repack`); False: the file's rows."""
+    pad: the word-kernel products in wmatvec.PAD (Q6_K's) read a load-time copy of their matrices in the layout
+    their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows."""
 
     name = "triton"
 
@@ -40,7 +40,7 @@ class TritonOps:
         """The decode path of a weight type, for the bench's path column."""
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
-                     + (" padded" if self.pad and (kd, qtype) in wk.PAD else "")
+                     + (" repacked" if self.pad and (kd, qtype) in wk.PAD else "")
                      for kd, table in wk.KERNELS.items() if qtype in table]
             if kinds == list(wk.KERNELS):  # every product, any size, the file's rows
                 return "triton-words"
@@ -53,9 +53,9 @@ class TritonOps:
         return self.words and wk.supports(qtype, k, kind)
 
     def repack(self, qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
-        """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): a word-aligned
-        copy where a word kernel takes it and wmatvec.PAD says that is faster (1% more bytes; the file's rows
-        stay for prefill and the reference path), else w itself."""
+        """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): wmatvec.PAD's
+        copy where a word kernel takes it and PAD says that is faster (Q6_K: 1.37x the bytes; the file's rows stay
+        for prefill and the reference path), else w itself."""
         copy = wk.PAD.get((kind, qtype)) if self.words and self.pad else None
         if copy is None:
             return w

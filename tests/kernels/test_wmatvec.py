@@ -170,7 +170,7 @@ def test_deterministic(qtype, device, rng) -> None:
     assert torch.equal(mv(raw, xp, torch.empty(130, device=device)), mv(raw, xp, torch.empty(130, device=device)))
 
 
-@pytest.mark.parametrize("qtype,size,sizes", [(T.Q6_K, 210, "210 or 212"), (T.Q8_0, 272, "272")], ids=str)
+@pytest.mark.parametrize("qtype,size,sizes", [(T.Q6_K, 210, "210, 212, 288"), (T.Q8_0, 272, "272")], ids=str)
 def test_rows_checked(qtype, size, sizes, device) -> None:
     w = torch.zeros(4, size + 1, dtype=torch.uint8, device=device)
     with pytest.raises(ValueError, match=f"{qtype.name} rows must be contiguous {sizes}-byte rows"):
@@ -204,6 +204,49 @@ def test_padded_q6k_same_bits(kind, device, rng) -> None:
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="whole 210-byte blocks"):
         wk.pad_q6k(torch.zeros(2, 211, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("tile", [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(2, 4, 2, 2)], ids=str)
+@pytest.mark.parametrize("kind", ["mv", "gate_up", "down"])
+def test_bytes_q6k(kind, tile, device, rng) -> None:
+    """`bytes_q6k`'s copy holds the same values (its own dequantization equals gguf's of the file's rows, bit for
+    bit), and each word kernel reads it (row size 288 per block) within the bound of the exact product; 3 blocks,
+    37 rows, fresh inputs, NaN-poisoned outputs."""
+    gen, seed = rng
+    k, m = 768, 37
+    raw, dense = quant_weights(Q6_K, (3, m), k, gen, "cpu")
+    b = wk.bytes_q6k(raw)
+    assert b.shape == (3, m, 3 * 288) and not b.reshape(3, m, 3, 288)[..., 274:].any()
+    blk = b.reshape(3, m, 3, 288)
+    sc = blk[..., 256:272].contiguous().view(torch.int8).double().repeat_interleave(16, -1)
+    d = blk[..., 272:274].contiguous().view(torch.float16).double()
+    assert torch.equal((d * sc * (blk[..., :256].double() - 32)).reshape(3, m, k), dense.double())
+    with pytest.raises(ValueError, match="whole 210-byte blocks"):
+        wk.bytes_q6k(torch.zeros(2, 211, dtype=torch.uint8))
+    b, dd = b.to(device), dense.double()
+    fn = wk.KERNELS[kind][Q6_K]
+    ids = torch.tensor([2, 0], dtype=torch.int32)
+    x = vec(gen, 2, k)
+    if kind == "mv":
+        r = vec(gen, m)
+        out = r.clone().to(device)
+        fn(b[1], permute_k4(x[0]).to(device), out, out, tile=tile)
+        ref, bound = r.double() + dd[1] @ x[0].double(), r.double().abs() + dd[1].abs() @ x[0].double().abs()
+    elif kind == "gate_up":
+        out = torch.full((2, m), float("nan"), device=device)
+        fn(b, b, permute_k4(x[0]).to(device), ids.to(device), out, tile=tile)
+        g = dd[ids] @ x[0].double()
+        ref = ACTIVATIONS["silu"](g) * g
+        bound = 2.2 * (dd[ids].abs() @ x[0].double().abs()) * g.abs()
+    else:
+        wts, r = torch.tensor([0.25, 0.75]), vec(gen, m)
+        out = torch.full((m,), float("nan"), device=device)
+        fn(b, permute_k4(x).to(device), ids.to(device), wts.to(device), r.to(device), out, tile=tile)
+        parts = torch.einsum("snf,sf->sn", dd[ids], x.double())
+        ref = r.double() + (wts.double()[:, None] * parts).sum(0)
+        bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dd[ids].abs(),
+                                                                        x.double().abs())).sum(0)
+    check_bound(out, ref, bound, seed, f"Q6_K bytes {kind} tile={tile}")
 
 
 def test_rms_norm_perm(device, rng) -> None:

@@ -426,6 +426,13 @@ def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weight
 GROUP_UNITS = {Q6_K: 105, Q8_0: 68}  # offset units (Q6_K halfwords, Q8_0 words) per 256 weights
 ROW_BYTES = {Q6_K: 210, Q8_0: 272}  # bytes per 256 weights
 PADDED_BYTES = 212  # a Q6_K block padded to a whole number of words (`pad_q6k`)
+# Q6_K as bytes (`bytes_q6k`, a load-time copy): per 256 weights 72 words = 288 bytes: the 6-bit values q in
+# weight order (bytes 0..255: word j, byte k holds weight 4j + k, whose x sits at permuted slot 64k + j), the 16
+# int8 scales (bytes 256..271), d (f16, bytes 272..273), zeros. A value decodes as the Q4_K nibbles do, in one
+# shift and one and-or (f = 1 + q / 64 at bits 17-22), where the file's layout takes two of each plus its qh word;
+# 9 bits per weight instead of 6.56. Word j of a block belongs to sub-block j // 4. Kernels tell it by its row size.
+BYTES_Q6 = 288
+Q6B = 1014  # the kernels' layout code (QT) for it; 14 is Q6_K on the file's (or padded) rows, 8 Q8_0
 
 
 @triton.jit
@@ -459,10 +466,17 @@ def _f6(ql, vs, P: tl.constexpr):
 @triton.jit
 def _xt(QT: tl.constexpr, x_ptr, kb, NB: tl.constexpr):
     """Permuted x of groups kb .. kb+NB-1 as the type's tiles: 8 tiles (index 2k + n) and, for Q6_K, the
-    per-word sums of x of the low and high nibbles (zeros for Q8_0)."""
+    per-word sums of x of the low and high nibbles (zeros for Q8_0); Q6B: 4 tiles (byte k) and the sums of x per
+    sub-block [NB, 16, 1]."""
     blk = kb + tl.arange(0, NB)
     xs = ()
-    if QT == 14:  # [NB, 2 (h), 16 (tt)] at 64k + 32h + 16n + tt
+    if QT == 1014:  # [NB, 16 (s), 4 (jj)] at 64k + 4s + jj, k < 4
+        xo = blk[:, None, None] * 256 + tl.arange(0, 16)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        for k in tl.static_range(4):
+            xs = xs + (tl.load(x_ptr + xo + 64 * k),)
+        lo = tl.sum(xs[0] + xs[1] + xs[2] + xs[3], axis=2, keep_dims=True)
+        hi = 0.0
+    elif QT == 14:  # [NB, 2 (h), 16 (tt)] at 64k + 32h + 16n + tt
         xo = blk[:, None, None] * 256 + tl.arange(0, 2)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
         xo = tl.max_contiguous(xo, [1, 1, 1])  # scalar loads, in the layout of the words'
         for j in tl.static_range(8):
@@ -526,8 +540,34 @@ def _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
 
 
 @triton.jit
+def _f6b(w, K: tl.constexpr):
+    """1 + q / 64 (float32, exact) for the 6-bit value in byte K of every int32 word."""
+    if 8 * K <= 17:
+        v = w << (17 - 8 * K)
+    else:
+        v = w >> (8 * K - 17)
+    return ((v & 0x7E0000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q6b_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr):
+    """One Q6B row's blocks kb..: acc [NB, 16, 1] += d sc (64 sum f x - 96 sum x) per sub-block. off: the row's
+    first word (int32 from wp; the views hp / bp start at the same byte)."""
+    xs, xsum, _hi = xt
+    bo = off + (kb + tl.arange(0, NB)) * 72  # [NB] first word of each block
+    s = tl.arange(0, 16)[None, :, None]
+    w = tl.load(wp + (bo[:, None, None] + 4 * s + tl.arange(0, 4)[None, None, :]), mask=ok, other=0)  # [NB, 16, 4]
+    p = _f6b(w, 0) * xs[0] + _f6b(w, 1) * xs[1] + _f6b(w, 2) * xs[2] + _f6b(w, 3) * xs[3]
+    d = tl.load(hp + 2 * bo + 136, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32) * scale  # [NB]
+    sc = tl.load(bp + 4 * bo[:, None, None] + 256 + s, mask=ok, other=0).to(tl.float32)  # [NB, 16, 1]
+    return acc + (d[:, None, None] * sc) * (64.0 * tl.sum(p, axis=2, keep_dims=True) - 96.0 * xsum)
+
+
+@triton.jit
 def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, GU: tl.constexpr):
-    if QT == 14:
+    if QT == 1014:
+        acc = _q6b_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB)
+    elif QT == 14:
         acc = _q6k_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, GU)
     else:
         acc = _q8_0_step(wp, off, ok, kb, xt, scale, acc, NB)
@@ -538,7 +578,9 @@ def _xstep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.con
 def _xbase(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, start):
     """Views from unit offset `start` (int64) on, and start's offset from them (int32): Q6_K's at the word
     boundary at or below halfword `start` (offset 0 or 1); Q8_0's at word `start` (offset 0)."""
-    if QT == 14:
+    if QT == 1014:  # word offsets; the halfword and byte views from the same byte
+        wp, hp, bp, lead = w32_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, (start * 0).to(tl.int32)
+    elif QT == 14:
         base = start - (start & 1)
         wp, hp, bp, lead = w32_ptr + base // 2, w16_ptr + base, w8_ptr + 2 * base, (start & 1).to(tl.int32)
     else:
@@ -550,7 +592,9 @@ def _xbase(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, start):
 def _xzeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
     accs = ()
     for _r in tl.static_range(R):
-        if QT == 14:
+        if QT == 1014:
+            accs = accs + (tl.zeros([NB, 16, 1], dtype=tl.float32),)
+        elif QT == 14:
             accs = accs + (tl.zeros([NB, 2, 16], dtype=tl.float32),)
         else:
             accs = accs + (tl.zeros([NB, 4, 8], dtype=tl.float32),)
@@ -640,25 +684,46 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
         tl.store(out_ptr + row, v, mask=row < N)
 
 
-def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
+def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int, int]:
     """int32 / int16 / int8 views of Q6_K or Q8_0 rows (uint8 [..., ROW_BYTES K / 256], or Q6_K padded by
-    `pad_q6k` to PADDED_BYTES; contiguous, 4-byte aligned start), the stride of the leading (expert) dimension
-    in offset units (0 for a matrix) and the offset units per 256 weights (GU)."""
+    `pad_q6k` to PADDED_BYTES or repacked by `bytes_q6k` to BYTES_Q6; contiguous, 4-byte aligned start), the
+    stride of the leading (expert) dimension in offset units (0 for a matrix), the offset units per 256 weights
+    (GU) and the kernels' layout code (QT: the type, or Q6B)."""
     name, nb = GGMLQuantizationType(qtype).name, k // 256
-    sizes = (ROW_BYTES[qtype], PADDED_BYTES) if qtype == Q6_K else (ROW_BYTES[qtype],)
+    sizes = (ROW_BYTES[qtype], PADDED_BYTES, BYTES_Q6) if qtype == Q6_K else (ROW_BYTES[qtype],)
     size = next((b for b in sizes if w.shape[-1] == b * nb), None)
     if k % 256 or size is None or not w.is_contiguous():
-        raise ValueError(f"{name} rows must be contiguous {' or '.join(str(b * nb) for b in sizes)}-byte rows "
+        raise ValueError(f"{name} rows must be contiguous {', '.join(str(b * nb) for b in sizes)}-byte rows "
                          f"for K = {k}, got shape {tuple(w.shape)} strides {w.stride()}")
     if w.data_ptr() % 4:
         raise ValueError(f"{name} weights must start at a 4-byte aligned address")
     flat = w.reshape(-1)
-    unit = ROW_BYTES[qtype] // GROUP_UNITS[qtype]  # bytes per offset unit
+    unit = 4 if size == BYTES_Q6 else ROW_BYTES[qtype] // GROUP_UNITS[qtype]  # bytes per offset unit
     stride_e = w.stride(0) // unit if w.dim() == 3 else 0
     # whole words only: the last 2 bytes (an odd Q6_K block's d, read as a halfword) may be left out of the
     # int32 view
     views = (flat[: flat.numel() // 4 * 4].view(torch.int32), flat.view(torch.int16), flat.view(torch.int8))
-    return views, stride_e, size // unit
+    return views, stride_e, size // unit, Q6B if size == BYTES_Q6 else qtype
+
+
+def bytes_q6k(w: torch.Tensor, chunk_blocks: int = 1 << 18) -> torch.Tensor:
+    """Q6_K rows uint8 [..., 210 n] -> the Q6B copy uint8 [..., 288 n] (layout above BYTES_Q6): each 6-bit value
+    in a byte of its own, in weight order, then the block's scales and d. The same values (dequantized: d sc
+    (q - 32)), 1.37x the bytes; converted `chunk_blocks` blocks at a time (int32 temporaries)."""
+    if w.shape[-1] % ROW_BYTES[Q6_K]:
+        raise ValueError(f"Q6_K rows must be whole 210-byte blocks, got rows of {w.shape[-1]} bytes")
+    blocks = w.reshape(-1, ROW_BYTES[Q6_K])  # [n, 210]
+    out = torch.zeros(blocks.shape[0], BYTES_Q6, dtype=torch.uint8, device=w.device)
+    for i in range(0, blocks.shape[0], chunk_blocks):
+        b = blocks[i:i + chunk_blocks]
+        ql = b[:, :128].reshape(-1, 2, 64).to(torch.int32)  # two halves of 128 weights
+        qh = b[:, 128:192].reshape(-1, 2, 32).to(torch.int32)
+        lo, hi = ql & 15, ql >> 4
+        q = torch.stack([lo[..., :32] | (qh & 3) << 4, lo[..., 32:] | (qh >> 2 & 3) << 4,
+                         hi[..., :32] | (qh >> 4 & 3) << 4, hi[..., 32:] | (qh >> 6 & 3) << 4], dim=2)  # [n, 2, 4, 32]
+        out[i:i + chunk_blocks, :256] = q.reshape(-1, 256).to(torch.uint8)
+        out[i:i + chunk_blocks, 256:274] = b[:, 192:210]  # scales, d
+    return out.reshape(*w.shape[:-1], -1)
 
 
 def pad_q6k(w: torch.Tensor) -> torch.Tensor:
@@ -675,10 +740,10 @@ def pad_q6k(w: torch.Tensor) -> torch.Tensor:
 def _qmatvec_x(qtype: int, w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor,
                residual: torch.Tensor | None = None, *, tile: WTile | None = None) -> torch.Tensor:
     m, k = w.shape[0], xp.shape[0]
-    views, _, gu = _views(qtype, w, k)
-    t = wtile_for("mv", m, k, m, w.device, tile, qtype)
+    views, _, gu, qt = _views(qtype, w, k)
+    t = wtile_for("mv", m, k, m, w.device, tile, qt)
     _wmvx_kernel[(triton.cdiv(m, t.rows),)](
-        *views, xp, out if residual is None else residual, out, m, QT=qtype, GU=gu,
+        *views, xp, out if residual is None else residual, out, m, QT=qt, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, HAS_RES=residual is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -691,14 +756,14 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
     f, k, n_sel = w_gate.shape[1], xp.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
-    (g32, g16, g8), sg, gu = _views(qtype, w_gate, k)
-    (u32, u16, u8), su, gu_up = _views(qtype, w_up, k)
+    (g32, g16, g8), sg, gu, qt = _views(qtype, w_gate, k)
+    (u32, u16, u8), su, gu_up, _ = _views(qtype, w_up, k)
     if gu != gu_up:
-        raise ValueError("gate and up must have the same layout (both padded or neither)")
-    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile, qtype)
+        raise ValueError("gate and up must have the same layout (rows of the same size)")
+    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile, qt)
     rargs, rconst = _route_args(route, ids)
     _wgate_upx_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        g32, g16, g8, u32, u16, u8, xp, ids, *rargs, out, f, sg, su, out.stride(0), QT=qtype, GU=gu,
+        g32, g16, g8, u32, u16, u8, xp, ids, *rargs, out, f, sg, su, out.stride(0), QT=qt, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -708,10 +773,10 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
 def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
-    views, se, gu = _views(qtype, w_down, f)
-    t = wtile_for("down", n, f, n, w_down.device, tile, qtype)
+    views, se, gu, qt = _views(qtype, w_down, f)
+    t = wtile_for("down", n, f, n, w_down.device, tile, qt)
     _wdownx_kernel[(triton.cdiv(n, t.rows),)](
-        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qtype, GU=gu,
+        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qt, GU=gu,
         N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
@@ -734,12 +799,13 @@ KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
 }
 # (kind, type) -> the load-time copy whose layout its word kernel reads faster than the file's rows (the 50304 x
 # 2048 Q6_K output matrix on `pad_q6k`'s word-aligned blocks: 60.4 -> 51.7 us on the H200, NOTES.md 7g)
-PAD: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {("mv", Q6_K): pad_q6k}
+PAD: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {
+    ("mv", Q6_K): bytes_q6k, ("down", Q6_K): bytes_q6k, ("gate_up", Q6_K): bytes_q6k}
 # (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel (H200, NOTES.md 7b): the
 # Q6_K matvec wins on output-sized matrices only (60.3 vs 69.8 us at 50304 x 2048; 7.9 vs 5.7 at 2048 x 2048)
 MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
 WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
 
-__all__ = ["KERNELS", "PAD", "WORD_TYPES", "Route", "WTile", "WTILES", "moe_down_w", "moe_down_w6", "moe_down_w8",
-           "moe_gate_up_w", "moe_gate_up_w6", "moe_gate_up_w8", "pad_q6k", "permute_k4", "qmatvec_w", "qmatvec_w6",
-           "qmatvec_w8", "supports", "wtile_for"]
+__all__ = ["KERNELS", "PAD", "WORD_TYPES", "Route", "WTile", "WTILES", "bytes_q6k", "moe_down_w", "moe_down_w6",
+           "moe_down_w8", "moe_gate_up_w", "moe_gate_up_w6", "moe_gate_up_w8", "pad_q6k", "permute_k4", "qmatvec_w",
+           "qmatvec_w6", "qmatvec_w8", "supports", "wtile_for"]
