@@ -108,16 +108,17 @@ class FastDecoder:
         g = w.globals
         self.embd = g["token_embd"]
         self.out_norm = g["output_norm"]
-        out = _mat(g.get("output", g["token_embd"]))  # in the layout the ops read (a padded copy, or itself)
-        self.out_mat = _Mat(self.ops.repack(out.qtype, "mv", out.raw), out.qtype, out.name)
+        self.out_mat = self._repack("mv", _mat(g.get("output", g["token_embd"])))
         self.rope_freqs = g.get("rope_freqs")
         self.layers = []
         moe = self.cfg.is_moe
         for L in w.layers:
             d: dict[str, Any] = {k: L[k] for k in L if isinstance(L[k], torch.Tensor)}  # norms, router
-            for k in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            for k in ("attn_q", "attn_k", "attn_v"):
                 d[k] = _mat(L[k])
-            d["qkv_runs"] = _fuse_runs([L["attn_q"], L["attn_k"], L["attn_v"]])
+            d["attn_output"] = self._repack("mv", _mat(L["attn_output"]))
+            d["qkv_runs"] = [(self._repack("mv", m), a, b) for m, a, b in _fuse_runs([L["attn_q"], L["attn_k"],
+                                                                                       L["attn_v"]])]
             if d["qkv_runs"][-1][2] != self.qkv.numel():
                 raise ValueError(f"layer {len(self.layers)}: q/k/v matrices have {d['qkv_runs'][-1][2]} rows, "
                                  f"the model's heads need {self.qkv.numel()}")
@@ -128,7 +129,16 @@ class FastDecoder:
                 for src in ("ffn_gate", "ffn_up", "ffn_down"):
                     m = _mat(L[src])
                     d[src + "_exps"] = _Mat(m.raw[None], m.qtype, m.name)
+            gate, up = d["ffn_gate_exps"], d["ffn_up_exps"]
+            if gate.qtype == up.qtype:  # one gate/up launch reads both: the same layout
+                d["ffn_gate_exps"], d["ffn_up_exps"] = self._repack("gate_up", gate), self._repack("gate_up", up)
+            d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"])
             self.layers.append(d)
+
+    def _repack(self, kind: str, m: _Mat) -> _Mat:
+        """m in the layout the ops' product `kind` reads (`ops.repack`: a load-time copy, or m itself)."""
+        raw = self.ops.repack(m.qtype, kind, m.raw)
+        return m if raw is m.raw else _Mat(raw, m.qtype, m.name)
 
     # --- the step -------------------------------------------------------------------------------
 
