@@ -101,13 +101,14 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").words and not make_ops("triton-bytes").words
     assert make_ops("triton").kernel_name(12) == "triton-words"
     assert make_ops("triton").kernel_name(8) == "triton-words"
-    assert make_ops("triton").kernel_name(14) == "triton+words(mv>=16384 repacked,gate_up repacked,down repacked)"
-    assert make_ops("triton-unpadded").kernel_name(14) == "triton+words(mv>=16384,gate_up,down)"
+    assert make_ops("triton").kernel_name(14) == "triton+words(mv repacked,gate_up repacked,down repacked)"
+    assert make_ops("triton-unpadded").kernel_name(14) == "triton-words"
     w = torch.zeros(16384, 8 * 210, dtype=torch.uint8)  # a Q6_K output-sized matrix, K = 2048
     assert make_ops("triton").repack(14, "mv", w).shape == (16384, 8 * 288)
+    assert make_ops("triton").repack(14, "mv", w[:2048]).shape == (2048, 8 * 288)
     assert make_ops("triton").repack(14, "down", w[None, :2048]).shape == (1, 2048, 8 * 288)
     for name, qtype, kind, m in [("triton-unpadded", 14, "mv", w), ("triton-bytes", 14, "mv", w),
-                                 ("triton", 14, "mv", w[:2048]), ("triton", 8, "mv", w)]:
+                                 ("triton", 8, "mv", w)]:
         assert make_ops(name).repack(qtype, kind, m) is m, (name, qtype, kind, m.shape)
     assert make_ops("torch").repack(14, "mv", w) is w
     assert make_ops("triton-bytes").kernel_name(12) == "triton"
@@ -154,21 +155,22 @@ def test_triton_step_in_the_interpreter(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")
 @pytest.mark.parametrize("ops", ["triton", "triton-unpadded"])
-def test_q6k_output_padded_in_the_step(ops: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_q6k_repacked_in_the_step(ops: str, tmp_path: Path) -> None:
     """A Q4_K_M mix (synth's tiny OLMoE: Q6_K output, attn_v and down in layer 1) through the fast step, the
-    Q6_K output matrix on the word kernel (its row threshold lowered to the tiny vocabulary) over a repacked
-    copy, one byte per value (triton), or the file's rows (triton-unpadded): reference logits."""
-    from moerun.kernels.triton import wmatvec as wk
+    Q6_K products on the word kernels over a repacked copy, one byte per value (triton), or the file's rows
+    (triton-unpadded): reference logits."""
     from moerun.synth import synthesize
 
-    monkeypatch.setitem(wk.MIN_ROWS, ("mv", 14), 512)
     path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
     synthesize("tiny-olmoe-1b-7b", "q4_k_m", path, progress=False)
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     tokens = [5, 17, 99, 3, 250, 8, 41, 7]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
-    assert eng.fast.out_mat.qtype == 14 and eng.fast.out_mat.raw.shape[-1] % (288 if ops == "triton" else 210) == 0
+    size = 288 if ops == "triton" else 210
+    assert eng.fast.out_mat.qtype == 14 and eng.fast.out_mat.raw.shape[-1] % size == 0
+    downs = [L["ffn_down_exps"] for L in eng.fast.layers if L["ffn_down_exps"].qtype == 14]
+    assert downs and all(m.raw.shape[-1] % size == 0 for m in downs)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])

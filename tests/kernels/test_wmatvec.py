@@ -44,7 +44,8 @@ def test_supports() -> None:
     assert wk.supports(Q8_0, 2048, "down") and not wk.supports(Q8_0, 2048 + 32, "mv")
     assert wk.supports(Q6_K, 2048, "down") and wk.supports(Q6_K, 2048, "gate_up") and ("mv", Q6_K) in wk.PAD
     assert wk.wtile_for("down", 37, 512, 37, torch.device("cpu"), qtype=Q6_K) == wk.WTile(1, 2)  # TYPE_WTILES
-    assert wk.supports(Q6_K, 2048, "mv", 50304) and not wk.supports(Q6_K, 2048, "mv", 2048)
+    assert wk.supports(Q6_K, 2048, "mv", 50304) and wk.supports(Q6_K, 2048, "mv", 2048)  # no MIN_ROWS on bytes
+    assert wk.wtile_for("down", 37, 512, 37, torch.device("cpu"), qtype=wk.Q6B) == wk.WTile(1, 2)
     assert wk.WORD_TYPES == {Q4_K, Q6_K, Q8_0}
 
 

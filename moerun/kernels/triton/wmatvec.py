@@ -52,6 +52,7 @@ Q4_K, Q6_K, Q8_0 = 12, 14, 8
 # f = 1 + q/16: mask of mantissa bits 19-22 and the bits of 1.0f, passed as runtime arguments so the and-or
 # compiles to one 3-input LOP3 (as immediates ptxas emits two instructions)
 FQ_MASK, FQ_ONE = 0x780000, 0x3F800000
+Q6B = 1014  # the kernels' layout code (QT) for Q6_K repacked as bytes (`bytes_q6k`); 14 is Q6_K on its file's rows
 
 
 class WTile(NamedTuple):
@@ -68,7 +69,8 @@ WTILES: dict[tuple[str, int, int], WTile] = {}
 # Per (kind, type), measured on the H200 at OLMoE sizes (bench_qmatvec, NOTES.md 7h, us): Q6_K down 23.7 -> 18.4
 # (the byte kernel: 21.9), Q8_0 down 14.9 -> 13.2, Q8_0 gate+up 17.6 -> 15.7; Q4_K's defaults were already the best
 TYPE_WTILES: dict[tuple[str, int], WTile] = {
-    ("down", Q6_K): WTile(1, 2), ("down", Q8_0): WTile(1, 2), ("gate_up", Q8_0): WTile(2, 1)}
+    ("down", Q6_K): WTile(1, 2), ("down", Q8_0): WTile(1, 2), ("gate_up", Q8_0): WTile(2, 1),
+    ("down", Q6B): WTile(1, 2), ("mv", Q6B): WTile(2, 4)}  # Q6_K as bytes: 12.7 and 41.1 / 4.65 us (NOTES.md 7m)
 MAX_NB = 4  # blocks per K-step (a power of two dividing K / 256); 8 spills gate/up (static SASS, NOTES 7)
 # Rows per program: at most MAX_ROWS[kind] (gate/up holds the rows of two matrices), and only while at least
 # PROGRAMS_PER_SM one-warp programs per SM remain. Measured on the H200 (bench_qmatvec.py, OLMoE sizes,
@@ -432,7 +434,6 @@ PADDED_BYTES = 212  # a Q6_K block padded to a whole number of words (`pad_q6k`)
 # shift and one and-or (f = 1 + q / 64 at bits 17-22), where the file's layout takes two of each plus its qh word;
 # 9 bits per weight instead of 6.56. Word j of a block belongs to sub-block j // 4. Kernels tell it by its row size.
 BYTES_Q6 = 288
-Q6B = 1014  # the kernels' layout code (QT) for it; 14 is Q6_K on the file's (or padded) rows, 8 Q8_0
 
 
 @triton.jit
@@ -794,16 +795,18 @@ moe_down_w8 = partial(_moe_down_x, Q8_0)
 KERNELS: dict[str, dict[int, Callable[..., torch.Tensor]]] = {
     "mv": {Q4_K: qmatvec_w, Q6_K: qmatvec_w6, Q8_0: qmatvec_w8},
     "gate_up": {Q4_K: moe_gate_up_w, Q6_K: moe_gate_up_w6, Q8_0: moe_gate_up_w8},
-    # Q6_K's beats the byte kernel at its TYPE_WTILES tile only (18.4 vs 21.9 us; 23.6 at the default): NOTES 7h
     "down": {Q4_K: moe_down_w, Q8_0: moe_down_w8, Q6_K: moe_down_w6},
 }
-# (kind, type) -> the load-time copy whose layout its word kernel reads faster than the file's rows (the 50304 x
-# 2048 Q6_K output matrix on `pad_q6k`'s word-aligned blocks: 60.4 -> 51.7 us on the H200, NOTES.md 7g)
+# (kind, type) -> the load-time copy whose layout its word kernel reads faster than the file's rows: Q6_K one byte
+# per value (H200, OLMoE sizes, us, file's rows -> copy: down 17.4 -> 12.7, 2048 x 2048 5.9 -> 4.65, output
+# 57.0 -> 41.1; the byte kernel 21.8 / 5.65 / 69.9; NOTES.md 7m). `pad_q6k`'s word-aligned copy (NOTES.md 7g) stays
+# readable by every Q6_K word kernel.
 PAD: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {
     ("mv", Q6_K): bytes_q6k, ("down", Q6_K): bytes_q6k, ("gate_up", Q6_K): bytes_q6k}
-# (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel (H200, NOTES.md 7b): the
-# Q6_K matvec wins on output-sized matrices only (60.3 vs 69.8 us at 50304 x 2048; 7.9 vs 5.7 at 2048 x 2048)
-MIN_ROWS: dict[tuple[str, int], int] = {("mv", Q6_K): 16384}
+# (kind, type) -> fewest rows for which the word kernel beats qmatvec's byte kernel. None now: on the file's rows
+# the Q6_K matvec lost to it below output sizes (7.9 vs 5.7 us at 2048 x 2048, NOTES.md 7b), on `bytes_q6k`'s copy
+# it wins there too (4.65 vs 5.65, NOTES.md 7m)
+MIN_ROWS: dict[tuple[str, int], int] = {}
 WORD_TYPES: frozenset[int] = frozenset(t for table in KERNELS.values() for t in table)  # types read as words
 
 __all__ = ["KERNELS", "PAD", "WORD_TYPES", "Route", "WTile", "WTILES", "bytes_q6k", "moe_down_w", "moe_down_w6",
