@@ -130,8 +130,9 @@ class FastDecoder:
                     m = _mat(L[src])
                     d[src + "_exps"] = _Mat(m.raw[None], m.qtype, m.name)
             gate, up = d["ffn_gate_exps"], d["ffn_up_exps"]
-            if gate.qtype == up.qtype:  # one gate/up launch reads both: the same layout
-                d["ffn_gate_exps"], d["ffn_up_exps"] = self._repack("gate_up", gate), self._repack("gate_up", up)
+            if gate.qtype == up.qtype:  # one gate/up launch reads both: the same layout, or neither copied
+                g2, u2 = self._repack("gate_up", gate), self._repack("gate_up", up)
+                d["ffn_gate_exps"], d["ffn_up_exps"] = (g2, u2) if (g2 is gate) == (u2 is up) else (gate, up)
             d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"])
             self.layers.append(d)
 

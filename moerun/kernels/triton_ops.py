@@ -7,13 +7,18 @@ A weight type without a fused kernel falls back to TorchOps (visible in `paths`)
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import qmatvec as qk
 from moerun.kernels.triton import wmatvec as wk
+
+REPACK_RESERVE = 1 << 30  # GPU bytes a repacked copy must leave free (prefill workspaces, graphs)
 
 
 class TritonOps:
@@ -28,6 +33,7 @@ class TritonOps:
 
     def __init__(self, words: bool = True, pad: bool = True) -> None:
         self.words, self.pad = words, pad
+        self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -60,7 +66,16 @@ class TritonOps:
         if copy is None:
             return w
         k = w.shape[-1] // wk.ROW_BYTES[qtype] * 256
-        return copy(w) if wk.supports(qtype, k, kind, w.shape[-2]) else w
+        if not wk.supports(qtype, k, kind, w.shape[-2]):
+            return w
+        if w.is_cuda and torch.cuda.mem_get_info(w.device)[0] < 1.5 * w.nbytes + REPACK_RESERVE:
+            if not self._repack_warned:
+                warnings.warn(f"not enough free GPU memory for a repacked copy of {tuple(w.shape)} "
+                              f"{GGMLQuantizationType(qtype).name} weights: it, and any later matrix that does not fit,"
+                              " runs on the file's rows (slower; NOTES.md 7m)", stacklevel=2)
+                self._repack_warned = True
+            return w
+        return copy(w)
 
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:

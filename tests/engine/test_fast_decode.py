@@ -7,6 +7,7 @@ interpreter in tests/kernels); on CUDA with the Triton kernels, eagerly and as a
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,22 @@ def test_q6k_repacked_in_the_step(ops: str, tmp_path: Path) -> None:
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
         assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"
+
+
+def test_repack_falls_back_when_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without room for a repacked copy (faked: a CUDA tensor with 0 bytes free) repack warns once and keeps the
+    file's rows; with room it copies."""
+    from moerun.kernels.ops import make_ops
+
+    ops = make_ops("triton")
+    w = torch.zeros(2048, 8 * 210, dtype=torch.uint8)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 34))
+    w3 = w[None]
+    with pytest.warns(UserWarning, match="not enough free GPU memory for a repacked copy"):
+        assert ops.repack(14, "down", w3) is w3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        assert ops.repack(14, "mv", w) is w
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 34, 1 << 34))
+    assert ops.repack(14, "mv", w).shape == (2048, 8 * 288)
