@@ -24,7 +24,8 @@ from moerun.quant import random_blocks
 N, F, E, TOPK = 2048, 1024, 64, 8
 KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": "_wgate_up_kernel",
            "down": "_wdown_kernel", "mv6": "_wmvx_kernel", "down6": "_wdownx_kernel", "mv8": "_wmvx_kernel",
-           "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel"}  # mv6 / down6: Q6_K; *8: Q8_0;
+           "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel", "mv6b": "_wmvx_kernel",
+           "down6b": "_wdownx_kernel"}  # mv6 / down6: Q6_K; *6b: Q6_K on `bytes_q6k`'s copy; *8: Q8_0;
 # gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
 
 
@@ -59,6 +60,11 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
             wk.qmatvec_w6(_q6k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "mv6b":  # Q6_K on `bytes_q6k`'s copy
+            wk.qmatvec_w6(wk.bytes_q6k(_q6k(N, N)), torch.zeros(N), torch.empty(N), tile=tile)
+        elif kind == "down6b":
+            wk.moe_down_w6(wk.bytes_q6k(_q6k(E, N, F)), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
+                           torch.empty(N), tile=tile)
         elif kind == "mv8":
             wk.qmatvec_w8(_q80(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "down8":
