@@ -109,17 +109,18 @@ class Case:
         return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile)
                 for w, _, i in self.launches]
 
-    def wfns(self, tile: W.WTile | None, padded: bool | str = False) -> list[Callable[[], object]]:
+    def wfns(self, tile: W.WTile | None, copy: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> list[Callable[[], object]]:
         """The word kernels (wmatvec.KERNELS) on the same launches; x permuted once outside the timed region.
-        padded: Q6_K weights copied by `pad_q6k` (word-aligned blocks) first; "bytes": by `bytes_q6k`."""
+        copy: the weights copied by it first (Q6_K: `pad_q6k`'s word-aligned blocks, `bytes_q6k`'s bytes)."""
         xp = permute_k4(self.x)
         fn = W.KERNELS[self.kind][self.qtype]
-        done: dict[int, torch.Tensor] = {}  # each weight tensor padded once
+        done: dict[int, torch.Tensor] = {}  # each weight tensor copied once
 
         def pad(w: torch.Tensor | None) -> torch.Tensor | None:
-            if w is None or not padded:
+            if w is None or copy is None:
                 return w
-            return done.setdefault(id(w), W.bytes_q6k(w) if padded == "bytes" else W.pad_q6k(w))
+            return done.setdefault(id(w), copy(w))
 
         if self.kind == "mv":
             ws = [pad(w) for w in self.ws]
@@ -223,15 +224,12 @@ def main() -> None:
                 row.setdefault("words", {})[spec] = tw * 1e6
                 print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec}",
                       flush=True)
-                if qt == int(T.Q6_K):  # the same on word-aligned (padded) blocks
-                    tw = graph_time(case.wfns(wt, padded=True))
-                    row.setdefault("words_padded", {})[spec] = tw * 1e6
+                # Q6_K also on its word-aligned (padded) copy and its one-byte-per-value copy (Q6B)
+                for layout, copy in [("padded", W.pad_q6k), ("bytes", W.bytes_q6k)] if qt == int(T.Q6_K) else []:
+                    tw = graph_time(case.wfns(wt, copy))
+                    row.setdefault(f"words_{layout}", {})[spec] = tw * 1e6
                     print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
-                          "padded", flush=True)
-                    tw = graph_time(case.wfns(wt, padded="bytes"))  # one byte per value (Q6B)
-                    row.setdefault("words_bytes", {})[spec] = tw * 1e6
-                    print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
-                          "bytes", flush=True)
+                          f"{layout}", flush=True)
                     torch.cuda.empty_cache()
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
