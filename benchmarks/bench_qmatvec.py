@@ -27,7 +27,8 @@ import triton
 from _timing import capture_graph, event_ms
 from gguf import GGMLQuantizationType as T
 
-from moerun.kernels.torch_ops import permute_k4
+from moerun.kernels.torch_ops import permute_k4, unpermute_k4
+from moerun.kernels.triton import imatvec as I
 from moerun.kernels.triton import qmatvec as Q
 from moerun.kernels.triton import wmatvec as W
 from moerun.quant import random_blocks
@@ -131,6 +132,28 @@ class Case:
                     for w, w2, i in launches]
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in launches]
 
+    def ifns(self, tile: W.WTile | None, words: int) -> list[Callable[[], object]]:
+        """The integer-dot Q4_K kernels (imatvec.py) on the same launches; x quantized once outside the timed region."""
+        xq = I.quantize_x24(self.x)
+        if self.kind == "mv":
+            return [lambda w=w: I.qmatvec_i(w, xq, self.out, self.res, tile=tile, words=words) for w in self.ws]
+        if self.kind == "gate_up":
+            return [lambda w=w, w2=w2, i=i: I.moe_gate_up_i(w, w2, xq, i, self.out, "silu", tile=tile, words=words)
+                    for w, w2, i in self.launches]
+        return [lambda w=w, i=i: I.moe_down_i(w, xq, i, self.wts, self.res, self.out, tile=tile, words=words)
+                for w, _, i in self.launches]
+
+    def icheck(self, tile: W.WTile | None, words: int) -> float:
+        """Largest |integer - word kernel| / max |word kernel| over one launch (same weights and x)."""
+        ifn, wfn = self.ifns(tile, words)[0], self.wfns(None)[0]
+        wfn()
+        want = self.out.clone()
+        ifn()
+        got = self.out.clone()
+        if self.kind == "gate_up":  # the word kernel stored h permuted
+            want = unpermute_k4(want)
+        return float((got - want).abs().max() / want.abs().max())
+
     def bf16_fns(self) -> tuple[list[Callable[[], object]], int]:
         """torch bf16 matvec(s) reading the same number of weights per launch (cuBLAS reference)."""
         n_mat = {"mv": 1, "gate_up": 2 * N_SEL, "down": N_SEL}[self.kind]
@@ -177,6 +200,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="mv,gate_up,down,out", help="mv (2048x2048), gate_up, down, out (vocab)")
     ap.add_argument("--sweep", action="store_true", help="try a grid of tiles per case")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--itiles", default="",
+                    help="Q4_K integer-dot tiles to time: RxNBxWARPSxSTAGES[xWORDS] or default ('' = none)")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
@@ -231,6 +256,15 @@ def main() -> None:
                     print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
                           f"{layout}", flush=True)
                     torch.cuda.empty_cache()
+            for spec in [w for w in args.itiles.split(",") if w] if qt == int(T.Q4_K) else []:
+                parts = [] if spec == "default" else [int(v) for v in spec.split("x")]
+                words = parts[4] if len(parts) > 4 else I.WORDS_PER_THREAD
+                it = W.WTile(*parts[:4]) if parts else None
+                err = case.icheck(it, words)
+                ti = graph_time(case.ifns(it, words))
+                row.setdefault("int", {})[spec] = [ti * 1e6, err]
+                print(f"{name:5} {label:28} {ti * 1e6:8.2f} us {case.bytes / ti / 1e9:6.0f} GB/s int {spec} "
+                      f"(rel. diff {err:.1e})", flush=True)
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \
                 if "best_tile" in row else ""

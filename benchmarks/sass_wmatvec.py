@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from sass_qgemm import _Recorder, classify, compile_launch, main_loop, sass_of
 
+from moerun.kernels.triton import imatvec as ik
 from moerun.kernels.triton import wmatvec as wk
 from moerun.quant import random_blocks
 
@@ -27,6 +28,8 @@ KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": 
            "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel", "mv6b": "_wmvx_kernel",
            "down6b": "_wdownx_kernel"}  # mv6 / down6: Q6_K; *6b: Q6_K on `bytes_q6k`'s copy; *8: Q8_0;
 # gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
+IKERNELS = {"imv": "_imv_kernel", "igate_up": "_igate_up_kernel", "idown": "_idown_kernel"}  # imatvec.py (Q4_K)
+WORDS = ik.WORDS_PER_THREAD
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -50,13 +53,22 @@ def _q80(*lead_k: int) -> torch.Tensor:
 
 def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     """The wrapper's launch (args, kwargs) for one kernel kind at OLMoE sizes, on CPU tensors."""
-    name = KERNELS[kind]
-    rec = _Recorder(getattr(wk, name))
-    real = getattr(wk, name)
-    setattr(wk, name, rec)
+    mod, name = (ik, IKERNELS[kind]) if kind in IKERNELS else (wk, KERNELS[kind])
+    rec = _Recorder(getattr(mod, name))
+    real = getattr(mod, name)
+    setattr(mod, name, rec)
     ids = torch.arange(TOPK, dtype=torch.int32)
     try:
-        if kind == "mv":
+        if kind == "imv":
+            ik.qmatvec_i(_q4k(N, N), ik.empty_x24((N,), torch.device("cpu")), torch.empty(N), tile=tile, words=WORDS)
+        elif kind == "igate_up":
+            w = _q4k(E, F, N)
+            ik.moe_gate_up_i(w, w, ik.empty_x24((N,), torch.device("cpu")), ids, torch.empty(TOPK, F), tile=tile,
+                             words=WORDS)
+        elif kind == "idown":
+            ik.moe_down_i(_q4k(E, N, F), ik.empty_x24((TOPK, F), torch.device("cpu")), ids, torch.ones(TOPK),
+                          torch.zeros(N), torch.empty(N), tile=tile, words=WORDS)
+        elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
             wk.qmatvec_w6(_q6k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
@@ -84,15 +96,18 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
             wk.moe_down_w(_q4k(E, N, F), torch.zeros(TOPK, F), ids, torch.ones(TOPK), torch.zeros(N),
                           torch.empty(N), tile=tile)
     finally:
-        setattr(wk, name, real)
+        setattr(mod, name, real)
     return rec.launch
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", default="1x4x1x2,2x4x1x2,4x4x1x2,4x2x1x2,4x8x2x2", help="RxNBxWARPSxSTAGES")
-    ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join(KERNELS)}")
+    ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join([*KERNELS, *IKERNELS])}")
+    ap.add_argument("--words", type=int, default=ik.WORDS_PER_THREAD, help="imatvec's qs words per thread")
     args = ap.parse_args()
+    global WORDS
+    WORDS = args.words
     cols = ["LDG", "LDS", "STS", "BAR", "I2F", "IALU", "MOV", "FP32", "FP16", "CTRL", "other"]
     print("| kernel | tile | regs | spill B | loop instr | /weight | " + " | ".join(cols) + " |")
     print("|---|---|---:|---:|---:|---:|" + "---:|" * len(cols))
@@ -100,11 +115,12 @@ def main() -> None:
         for spec in args.tiles.split(","):
             tile = wk.WTile(*(int(v) for v in spec.split("x")))
             a, kw = record(kind, tile)
-            ck = compile_launch(getattr(wk, KERNELS[kind]), a, kw)
+            fn = getattr(ik, IKERNELS[kind]) if kind in IKERNELS else getattr(wk, KERNELS[kind])
+            ck = compile_launch(fn, a, kw)
             sass, res = sass_of(ck)
             body = main_loop(sass)
             # weights a loop trip decodes
-            per_trip = tile.rows * kw["NB"] * 256 * (2 if kind.startswith("gate_up") else 1)
+            per_trip = tile.rows * kw["NB"] * 256 * (2 if "gate_up" in kind else 1)
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)

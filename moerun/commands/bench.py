@@ -47,9 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
                         "on CUDA, reference on CPU")
     p.add_argument("--ops", choices=[*OPS_NAMES, "torch"], default=None,
-                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the word kernels), "
-                        "triton-bytes (every type on the byte-decoding matvecs), triton-unpadded (the Q6_K "
-                        "matrices on the file's rows, no one-byte-per-value copy), torch (plain-torch twins)")
+                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the integer-dot kernels "
+                        "for the q/k/v, output and gate/up products, the word kernels for the rest), triton-words "
+                        "(Q4_K on the word kernels only), triton-bytes (every type on the byte-decoding "
+                        "matvecs), triton-unpadded (the Q6_K matrices on the file's rows, no one-byte-per-value "
+                        "copy), torch (plain-torch twins)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")

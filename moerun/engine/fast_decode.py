@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from moerun.engine.kv_cache import KVCache
-from moerun.kernels.torch_ops import Route
+from moerun.kernels.torch_ops import X24, Route
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -97,6 +97,8 @@ class FastDecoder:
         self.route_w = torch.ones(K, **f32)                             # their weights
         self.h = torch.empty(K, F, **f32)
         self.xp = torch.empty(N, **f32)       # xn in the word kernels' order (ops.perm), where one reads it
+        self.x24 = X24(torch.empty(N, device=dev, dtype=torch.int16), torch.empty(N, device=dev, dtype=torch.uint8),
+                       torch.empty(N // 32, **f32), torch.empty(N // 32, **f32))  # xn quantized (ops.ints)
         self._weights(weights)
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
@@ -156,14 +158,20 @@ class FastDecoder:
         activations, else None."""
         return self.xp if any(self.ops.perm(m.qtype, self.cfg.n_embd, kind) for m in mats) else None
 
+    def _x24(self, kind: str, *mats: _Mat) -> X24 | None:
+        """self.x24 if one of these matrices (over the model width, in products of `kind`) reads x quantized
+        (an integer-dot kernel), else None."""
+        return self.x24 if any(self.ops.ints(m.qtype, self.cfg.n_embd, kind) for m in mats) else None
+
     def _layer(self, i: int, L: dict[str, Any]) -> None:
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
         xp = self._perm("mv", *(m for m, _, _ in runs))
-        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
+        x24 = self._x24("mv", *(m for m, _, _ in runs))
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
         for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
-            ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp)
+            ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp, x24=x24)
         wo = L["attn_output"]
         ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
         ops.rope_attention(  # QK-norm, RoPE, this step's k/v into the cache, attention over it
@@ -181,15 +189,17 @@ class FastDecoder:
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         xp = self._perm("gate_up", g, u)
+        x24 = self._x24("gate_up", g) if g.qtype == u.qtype else None
         route = None
         if cfg.is_moe:  # norm + the router's logits; gate/up chooses the experts from them (ids, route_w)
-            ops.norm_router(self.x, L["ffn_norm"], cfg.rms_eps, L["ffn_gate_inp"], self.router_logits, self.xn, xp)
+            ops.norm_router(self.x, L["ffn_norm"], cfg.rms_eps, L["ffn_gate_inp"], self.router_logits, self.xn, xp,
+                            xn_x24=x24)
             route = Route(self.router_logits, self.route_w, cfg.expert_weights_norm)
         else:
-            ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp)
+            ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
         h_perm = ops.perm(d.qtype, self.h.shape[-1], "down")  # down reads h permuted
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
-                        perm_out=h_perm, route=route)
+                        perm_out=h_perm, route=route, x24=x24)
         if spec.post_norms:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm)
             self._add_block_output(L["post_ffw_norm"])
@@ -202,9 +212,9 @@ class FastDecoder:
         self._embed()
         for i, L in enumerate(self.layers):
             self._layer(i, L)
-        xp = self._perm("mv", self.out_mat)
-        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp)
-        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp)
+        xp, x24 = self._perm("mv", self.out_mat), self._x24("mv", self.out_mat)
+        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp, x24=x24)
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)

@@ -10,7 +10,7 @@ Shapes: N = model width, H/Hkv = query/KV heads, D/Dv = head dims, E = experts, 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,6 +34,17 @@ def unpermute_k4(xp: torch.Tensor) -> torch.Tensor:
     """The inverse of permute_k4."""
     k = xp.shape[-1]
     return xp.reshape(*xp.shape[:-1], k // 256, 4, 64).transpose(-1, -2).reshape(xp.shape)
+
+
+class X24(NamedTuple):
+    """x quantized for the integer-dot kernels (kernels/triton/imatvec.py): per group of 32 values x ~ s X with X a
+    24-bit integer, held as X = 256 hi + lo (hi int16, lo uint8 [..., K]); s and the float sums of x per group,
+    f32 [..., K / 32]."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+    s: torch.Tensor
+    sum: torch.Tensor
 
 
 class Route(NamedTuple):
@@ -65,15 +76,22 @@ class TorchOps:
         return False
 
     @staticmethod
+    def ints(qtype: int, k: int, kind: str) -> bool:
+        """Whether products of this type over K inputs (of `kind`) read x quantized to 16 bits (imatvec.X24): the
+        integer-dot kernels' input, never read here (the products below multiply the float x)."""
+        return False
+
+    @staticmethod
     def repack(qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
         """The rows product `kind` reads for matrix w: the file's own, here."""
         return w
 
     @staticmethod
     def qmatvec(w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
-                residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
+                x24: Any = None) -> torch.Tensor:
         """out [M] = W [M, K] @ x [K] (+ residual [M]); w: raw rows [M, row_bytes]. x_perm: permute_k4(x),
-        read instead of x when given."""
+        read instead of x when given; x24 (`ints`) is not read."""
         if x_perm is not None:
             x = unpermute_k4(x_perm)
         y = _deq(w, qtype, x.shape[-1]) @ x
@@ -84,7 +102,7 @@ class TorchOps:
     def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool = False,
-                    route: Route | None = None) -> torch.Tensor:
+                    route: Route | None = None, x24: Any = None) -> torch.Tensor:
         """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] int32 device.
         x_perm: permute_k4(x), read instead of x when given; perm_out: rows of out in permute_k4 order;
         route: choose the experts first (`route_topk` into ids and route.weights_out)."""
@@ -119,8 +137,8 @@ class TorchOps:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-                 out_perm: torch.Tensor | None = None) -> torch.Tensor:
-        """out [N] = x * rsqrt(mean(x^2) + eps) * w (and into out_perm in permute_k4 order)."""
+                 out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
+        """out [N] = x * rsqrt(mean(x^2) + eps) * w (and into out_perm in permute_k4 order; out_x24 unused)."""
         out.copy_(ref.rms_norm(x, w, eps))
         if out_perm is not None:
             out_perm.copy_(permute_k4(out))
@@ -133,7 +151,7 @@ class TorchOps:
 
     @staticmethod
     def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, out: torch.Tensor,
-                    xn: torch.Tensor, xn_perm: torch.Tensor | None = None) -> torch.Tensor:
+                    xn: torch.Tensor, xn_perm: torch.Tensor | None = None, xn_x24: Any = None) -> torch.Tensor:
         """`rms_norm` of x into xn (and xn_perm), then `router` of xn into out [E]."""
         TorchOps.rms_norm(x, norm_w, eps, xn, xn_perm)
         return TorchOps.router(xn, w_router, out)

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
+from moerun.kernels.triton import imatvec as ik
 from moerun.kernels.triton import qmatvec as qk
 from moerun.kernels.triton import wmatvec as wk
 
@@ -27,12 +28,15 @@ class TritonOps:
     words: products of the types in wmatvec.WORD_TYPES (K % 256 == 0) run on the word kernels, which read
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
     pad: the word-kernel products in wmatvec.PAD (Q6_K's) read a load-time copy of their matrices in the layout
-    their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows."""
+    their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows.
+    ints: the products in INT_KINDS of the types in imatvec.INT_TYPES run on the integer-dot kernels, which read
+    x quantized to 16 bits per value (`ints`; the producing RMSNorm writes it)."""
 
     name = "triton"
+    INT_KINDS = ("mv", "gate_up")  # down reads h, which no kernel quantizes yet
 
-    def __init__(self, words: bool = True, pad: bool = True) -> None:
-        self.words, self.pad = words, pad
+    def __init__(self, words: bool = True, pad: bool = True, ints: bool = True) -> None:
+        self.words, self.pad, self.use_ints = words, pad, ints
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -44,6 +48,9 @@ class TritonOps:
 
     def kernel_name(self, qtype: int) -> str:
         """The decode path of a weight type, for the bench's path column."""
+        if self.use_ints and qtype in ik.INT_TYPES:
+            rest = [kd for kd in wk.KERNELS if kd not in self.INT_KINDS and self.words and qtype in wk.KERNELS[kd]]
+            return f"triton-int({','.join(self.INT_KINDS)})" + (f"+words({','.join(rest)})" if rest else "")
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
                      + (" repacked" if self.pad and (kd, qtype) in wk.PAD else "")
@@ -57,6 +64,10 @@ class TritonOps:
         """Whether products of this type over K inputs (of `kind`: "mv", "gate_up", "down"; None: any) run on
         the word kernels (permuted activations)."""
         return self.words and wk.supports(qtype, k, kind)
+
+    def ints(self, qtype: int, k: int, kind: str) -> bool:
+        """Whether products of this type over K inputs (of `kind`) run on the integer-dot kernels (x24 input)."""
+        return self.use_ints and kind in self.INT_KINDS and ik.supports(qtype, k)
 
     def repack(self, qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
         """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): wmatvec.PAD's
@@ -78,7 +89,10 @@ class TritonOps:
         return copy(w)
 
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
-                residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
+                x24: ik.X24 | None = None) -> torch.Tensor:
+        if x24 is not None and self.ints(qtype, x.shape[-1], "mv"):
+            return ik.qmatvec_i(w, x24, out, residual)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -88,13 +102,15 @@ class TritonOps:
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool = False,
-                    route: Route | None = None) -> torch.Tensor:
-        """As TorchOps.moe_gate_up; with `route` the word kernels choose the experts inside the same launch,
-        the other paths launch route_topk first."""
+                    route: Route | None = None, x24: ik.X24 | None = None) -> torch.Tensor:
+        """As TorchOps.moe_gate_up; with `route` the word and integer kernels choose the experts inside the same
+        launch, the other paths launch route_topk first."""
         k = x.shape[-1]
         if route is not None and route.logits.shape[-1] > dk.ROUTE_MAX_E:  # too many experts to rank in gate/up
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             route = None
+        if x24 is not None and qtype_gate == qtype_up and self.ints(qtype_gate, k, "gate_up"):
+            return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route)
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
             return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out,
                                                      route=route)
@@ -123,8 +139,8 @@ class TritonOps:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-                 out_perm: torch.Tensor | None = None) -> torch.Tensor:
-        return dk.rms_norm(x, w, eps, out, out_perm)
+                 out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> torch.Tensor:
+        return dk.rms_norm(x, w, eps, out, out_perm, out_x24)
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -132,10 +148,14 @@ class TritonOps:
 
     @staticmethod
     def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, out: torch.Tensor,
-                    xn: torch.Tensor, xn_perm: torch.Tensor | None = None) -> torch.Tensor:
+                    xn: torch.Tensor, xn_perm: torch.Tensor | None = None,
+                    xn_x24: ik.X24 | None = None) -> torch.Tensor:
         if x.shape[-1] > 16384:
-            return TorchOps.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm)
-        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm)
+            TorchOps.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm)
+            if xn_x24 is not None:
+                ik.quantize_x24(xn, xn_x24)
+            return out
+        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm, xn_x24)
 
     @staticmethod
     def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,

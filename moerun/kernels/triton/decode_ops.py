@@ -11,7 +11,7 @@ Plain-torch definitions: moerun/kernels/reference.py (rms_norm, rope_angles/appl
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -35,9 +35,26 @@ def _np2(n: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, eps, N, BLOCK: tl.constexpr, PERM: tl.constexpr):
+def store_x24(x, g, ok, hi_ptr, lo_ptr, s_ptr, sum_ptr, G: tl.constexpr):
+    """Quantize groups x [n, G] (f32; their group indices g [n], stored where ok [n]) into an imatvec X24 at
+    hi/lo/s/sum_ptr: X = round(x 8388607 / max |x|) = 256 hi + lo. The arithmetic of `imatvec.quantize_x24_ref`;
+    shared by the quantizer and the kernels that produce x (RMSNorm)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 8388607.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -8388607.0), 8388607.0).to(tl.int32)
+    offs = g[:, None] * G + tl.arange(0, G)[None, :]
+    tl.store(hi_ptr + offs, (q >> 8).to(tl.int16), mask=ok[:, None])
+    tl.store(lo_ptr + offs, (q & 255).to(tl.uint8), mask=ok[:, None])
+    tl.store(s_ptr + g, amax / 8388607.0, mask=ok)
+    tl.store(sum_ptr + g, tl.sum(x, axis=1), mask=ok)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, BLOCK: tl.constexpr,
+                     PERM: tl.constexpr, X24: tl.constexpr):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
-    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a)."""
+    in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with X24
+    quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -48,20 +65,36 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, eps, N, BLOCK: tl.constexp
     tl.store(out_ptr + row * N + offs, y, mask=mask)
     if PERM:
         tl.store(perm_ptr + row * N + perm_slot(offs), y, mask=mask)
+    if X24:
+        g = tl.arange(0, BLOCK // 32)
+        store_x24(tl.reshape(y, [BLOCK // 32, 32]), row * (N // 32) + g, g * 32 < N, hi_ptr, lo_ptr, s_ptr, sum_ptr,
+                  32)
+
+
+def _x24_args(x24: Any, n: int, what: str, placeholder: torch.Tensor) -> tuple:
+    """(hi, lo, s, sum) of an imatvec.X24 output, or placeholders (unused pointers); checks N % 32 == 0."""
+    if x24 is None:
+        return (placeholder,) * 4
+    if n % 32:
+        raise ValueError(f"{what} needs N % 32 == 0, got N = {n}")
+    return tuple(x24)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
-    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order."""
+    out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_x24 (an
+    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
     if out_perm is not None and n % 256:
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
-    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, float(eps), n, BLOCK=block,
-                              PERM=out_perm is not None, num_warps=8 if block >= 4096 else 4)
+    xa = _x24_args(out_x24, n, "out_x24", out)
+    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
+                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
+                              num_warps=8 if block >= 4096 else 4)
     return out
 
 
@@ -556,8 +589,8 @@ def router_logits(x: torch.Tensor, w_router: torch.Tensor, logits_out: torch.Ten
 
 
 @triton.jit
-def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, eps, N, E, BLOCK: tl.constexpr,
-                        PERM: tl.constexpr):
+def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, E,
+                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr):
     """Program e (of E): y = x * rsqrt(mean(x^2) + eps) * nw (`_rms_norm_kernel`'s arithmetic, so the same bits
     at the same BLOCK and warps), out[e] = W[e] . y; lanes i with i % E == e store y into xn (and into xp at
     `perm_slot(i)` with PERM), so the E programs write y once between them. x, nw: [N] f32, W: [E, N] f32."""
@@ -574,20 +607,26 @@ def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, eps, N, E
     tl.store(xn_ptr + offs, y, mask=mine)
     if PERM:
         tl.store(xp_ptr + perm_slot(offs), y, mask=mine)
+    if X24:  # groups g with g % E == e
+        g = tl.arange(0, BLOCK // 32)
+        store_x24(tl.reshape(y, [BLOCK // 32, 32]), g, (g * 32 < N) & (g % E == e), hi_ptr, lo_ptr, s_ptr, sum_ptr,
+                  32)
 
 
 def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, logits_out: torch.Tensor,
-                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None) -> torch.Tensor:
+                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None, xn_x24: Any = None) -> torch.Tensor:
     """RMSNorm + router matvec in one launch: xn_out = rms_norm(x) * norm_w (as `rms_norm`, bit for bit),
     logits_out = W xn_out. x, norm_w: [N] f32 (N <= 16384); w_router: [E, N] f32 contiguous; logits_out [E];
-    xn_perm ([N], N % 256 == 0): also receives xn_out in permute_k4 order. E programs. Returns logits_out."""
+    xn_perm ([N], N % 256 == 0): also receives xn_out in permute_k4 order; xn_x24 (imatvec.X24 of [N], N % 32 == 0)
+    xn_out quantized for the integer-dot kernels. E programs. Returns logits_out."""
     e, n = w_router.shape
     if xn_perm is not None and n % 256:
         raise ValueError(f"xn_perm needs N % 256 == 0, got N = {n}")
     block = _np2(n)
+    xa = _x24_args(xn_x24, n, "xn_x24", xn_out)
     _norm_router_kernel[(e,)](x, norm_w, w_router, logits_out, xn_out, xn_out if xn_perm is None else xn_perm,
-                              float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
-                              num_warps=8 if block >= 4096 else 4)
+                              *xa, float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
+                              X24=xn_x24 is not None, num_warps=8 if block >= 4096 else 4)
     return logits_out
 
 

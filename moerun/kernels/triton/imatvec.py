@@ -1,0 +1,349 @@
+"""Q4_K matvec kernels for batch-1 decode on integer dot products (Triton + PTX `dp2a` / `dp4a`).
+
+The word kernels (wmatvec.py) turn every weight into a float and spend ~5.5 instructions on it (static sm_90
+SASS, NOTES.md 7m); here x is quantized once per product input to 24-bit integers with a scale per 32 values
+(`quantize_x24`: x ~ s X, |X| <= 2^23 - 1, s = max |x| / (2^23 - 1): float32's own precision for the group's
+largest value), held as X = 256 hi + lo (hi int16, lo uint8), and four weights meet four x values in three
+instructions: two `dp2a` (int16 pairs x unsigned bytes) for hi, one `dp4a` (unsigned bytes) for lo, 32-bit sums.
+A Q4_K word (8 weights) costs an and, a shift-and and six dot instructions. Per sub-block of 32 weights
+
+    sum_i (d sc q_i - dmin m) x_i ~ d sc s_g (256 sum_i q_i hi_i + sum_i q_i lo_i) - dmin m sum_i x_i
+
+with both integer sums exact (< 32 * 15 * 32768 < 2^24) and sum_i x_i the float sum of the unquantized x. So
+the weights stay exact and x is rounded about as float32 rounds it: the products match the float kernels' to
+~1e-7 of sum |w| |x| (a 16-bit x alone, two dp2a per 4 weights, missed the tests' 1e-4 logit bound on the tiny
+models, NOTES.md 7n).
+
+- `quantize_x24`    x [..., K] -> X24
+- `qmatvec_i`       out[M] = W[M, K] @ x[K] (+ residual[M])
+- `moe_gate_up_i`   out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x)
+- `moe_down_i`      out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i])
+
+Under TRITON_INTERPRET=1 the dot instructions are computed from their definition (the interpreter runs no PTX),
+so the CPU tests check every other line of these kernels. Fixed summation order, no atomics: bit-identical run
+to run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moerun.kernels.torch_ops import X24, Route
+from moerun.kernels.triton.decode_ops import store_x24
+from moerun.kernels.triton.qmatvec import ACTIVATIONS
+from moerun.kernels.triton.wmatvec import WTile, _expert_id, _half, _route_args, _scale_min, _store_h, _words, wtile_for
+
+INT_TYPES = (12,)  # Q4_K
+X_GROUP = 32  # x values per scale
+X_MAX = 8388607.0  # 2^23 - 1
+_EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def empty_x24(shape: tuple[int, ...], device: torch.device) -> X24:
+    *lead, k = shape
+    g = (*lead, k // X_GROUP)
+    return X24(torch.empty(shape, dtype=torch.int16, device=device), torch.empty(shape, dtype=torch.uint8,
+               device=device), torch.empty(g, device=device), torch.empty(g, device=device))
+
+
+def supports(qtype: int, k: int) -> bool:
+    """True when an integer-dot kernel takes products of this type over K inputs."""
+    return qtype in INT_TYPES and k % 256 == 0
+
+
+def quantize_x24_ref(x: torch.Tensor) -> X24:
+    """Plain-torch twin of `quantize_x24` (float32, decode_ops.store_x24's arithmetic)."""
+    g = x.float().reshape(*x.shape[:-1], -1, X_GROUP)
+    amax = g.abs().amax(-1)
+    inv = torch.where(amax > 0, X_MAX / amax, torch.zeros_like(amax))
+    q = torch.floor(g * inv[..., None] + 0.5).clamp(-X_MAX, X_MAX).to(torch.int32).reshape(x.shape)
+    return X24((q >> 8).to(torch.int16), (q & 255).to(torch.uint8), amax / X_MAX, g.sum(-1))
+
+
+def dequantize_x24(x: X24) -> torch.Tensor:
+    """s X as float32 [..., K] (X = 256 hi + lo, exact in float64 before the product)."""
+    q = (x.hi.double() * 256 + x.lo.double()).reshape(*x.s.shape, X_GROUP)
+    return (q * x.s.double()[..., None]).reshape(x.hi.shape).float()
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _quant_x24_kernel(x_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, N_GROUPS, G: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (cdiv(N_GROUPS, BLOCK),). x f32 [N_GROUPS G] -> hi int16 / lo uint8 [N_GROUPS G], s / sum f32
+    [N_GROUPS]."""
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = g < N_GROUPS
+    x = tl.load(x_ptr + (g[:, None] * G + tl.arange(0, G)[None, :]), mask=ok[:, None], other=0.0)
+    store_x24(x, g, ok, hi_ptr, lo_ptr, s_ptr, sum_ptr, G)
+
+
+@triton.jit
+def _dp4(xa, xb, q, EMU: tl.constexpr):
+    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the unsigned
+    bytes q0..q3. Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their definition."""
+    if EMU:
+        return (((xa << 16) >> 16) * (q & 255) + (xa >> 16) * ((q >> 8) & 255)
+                + ((xb << 16) >> 16) * ((q >> 16) & 255) + (xb >> 16) * ((q >> 24) & 255))
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .s32 t; dp2a.lo.s32.u32 t, $1, $3, 0; dp2a.hi.s32.u32 $0, $2, $3, t; }",
+            "=r,r,r,r", [xa, xb, q], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _dp4u(xu, q, EMU: tl.constexpr):
+    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and q: one PTX dp4a."""
+    if EMU:
+        return ((xu & 255) * (q & 255) + ((xu >> 8) & 255) * ((q >> 8) & 255)
+                + ((xu >> 16) & 255) * ((q >> 16) & 255) + ((xu >> 24) & 255) * ((q >> 24) & 255))
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _cidx(T: tl.constexpr, STRIDE: tl.constexpr):
+    """[4, 8 / T, T]: STRIDE c + tt for qs word 8c + tt of a block (tt = T s + t; a thread holds T consecutive
+    words)."""
+    S: tl.constexpr = 8 // T
+    tt = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]
+    return tl.arange(0, 4)[:, None, None] * STRIDE + tt[None]
+
+
+@triton.jit
+def _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.constexpr):
+    """x24 of blocks kb .. kb+NB-1 in the words' layout, for word (c, tt) of each block: its low nibbles' weights
+    are 64c + 4tt + 0..3 and its high nibbles' 64c + 32 + 4tt + 0..3; per side the int16 pairs of hi (a, b) and
+    the four lo bytes (u), [NB, 4, S, T] int32 each; scales and sums of sub-blocks 2c / 2c + 1 [NB, 4].
+    xh_ptr: the int16 hi as int64, xl_ptr: the uint8 lo as int32 (both indexed (64c + 4tt) / 4 = 16c + tt)."""
+    blk = kb + tl.arange(0, NB)
+    xo = blk[:, None, None, None] * 64 + _cidx(T, 16)[None]
+    h0 = tl.load(xh_ptr + xo)
+    h1 = tl.load(xh_ptr + xo + 8)
+    sb = blk[:, None] * 8 + 2 * tl.arange(0, 4)[None, :]
+    return (h0.to(tl.int32), (h0 >> 32).to(tl.int32), tl.load(xl_ptr + xo),
+            h1.to(tl.int32), (h1 >> 32).to(tl.int32), tl.load(xl_ptr + xo + 8),
+            tl.load(xs_ptr + sb), tl.load(xs_ptr + sb + 1), tl.load(xsum_ptr + sb), tl.load(xsum_ptr + sb + 1))
+
+
+@triton.jit
+def _dot24(xa, xb, xu, q, EMU: tl.constexpr):
+    """sum over the T words of a thread of sum_k q_k X_k (q: 4 unsigned bytes per word) -> float32 [NB, 4, S]."""
+    hi = tl.sum(_dp4(xa, xb, q, EMU), axis=3)
+    lo = tl.sum(_dp4u(xu, q, EMU), axis=3)
+    return hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
+
+
+@triton.jit
+def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+    """One row's blocks kb..: acc [NB, 4, S] += d sc s_x sum q X per sub-block (low and high nibbles),
+    accm [NB, 4] += dmin m sum x; the row's dot product is sum(acc) - sum(accm)."""
+    a0, b0, u0, a1, b1, u1, sx_lo, sx_hi, sum_lo, sum_hi = xt
+    bo = off + (kb + tl.arange(0, NB)) * 36  # [NB]
+    qs = tl.load(wp + (bo[:, None, None, None] + 4 + _cidx(T, 8)[None]), mask=ok, other=0)  # [NB, 4, S, T]
+    s_lo = _dot24(a0, b0, u0, qs & 0x0F0F0F0F, EMU)  # [NB, 4, S]
+    s_hi = _dot24(a1, b1, u1, (qs >> 4) & 0x0F0F0F0F, EMU)
+    h0 = tl.load(wp + bo, mask=ok, other=0)
+    h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
+    h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
+    h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
+    d = (_half(h0) * scale)[:, None]
+    dmin = (_half(h0 >> 16) * scale)[:, None]
+    c2 = 2 * tl.arange(0, 4)[None, :]
+    sc_l, mn_l = _scale_min(h1, h2, h3, c2)  # [NB, 4]
+    sc_h, mn_h = _scale_min(h1, h2, h3, c2 + 1)
+    acc += (d * sc_l * sx_lo)[:, :, None] * s_lo + (d * sc_h * sx_hi)[:, :, None] * s_hi
+    accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
+    return acc, accm
+
+
+@triton.jit
+def _izeros(R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
+    accs = ()
+    accms = ()
+    for _r in tl.static_range(R):
+        accs = accs + (tl.zeros([NB, 4, 8 // T], dtype=tl.float32),)
+        accms = accms + (tl.zeros([NB, 4], dtype=tl.float32),)
+    return accs, accms
+
+
+@triton.jit
+def _itotal(acc, accm):
+    return tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0) - tl.sum(tl.sum(accm, axis=1), axis=0)
+
+
+@triton.jit
+def _irows_dot(wp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, scale, accs, accms, N_BLOCKS: tl.constexpr,
+               R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+    """Accumulate rows row0 .. row0+R-1 (contiguous rows of 36 N_BLOCKS words from wp) against x24 over all K."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    for kb in range(0, N_BLOCKS, NB):
+        xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
+        new_accs = ()
+        new_accms = ()
+        for r in tl.static_range(R):
+            a, am = _irow_step(wp, r * SW, row0 + r < M, kb, xt, scale, accs[r], accms[r], NB, T, EMU)
+            new_accs = new_accs + (a,)
+            new_accms = new_accms + (am,)
+        accs = new_accs
+        accms = new_accms
+    return accs, accms
+
+
+@triton.jit
+def _imv_kernel(w_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, N_BLOCKS: tl.constexpr, R: tl.constexpr,
+                NB: tl.constexpr, T: tl.constexpr, HAS_RES: tl.constexpr, EMU: tl.constexpr):
+    """Grid (cdiv(M, R),). w: int32 [M, 36 N_BLOCKS]; x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]);
+    res/out: f32 [M]."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    row0 = tl.program_id(0) * R
+    wp = w_ptr + row0.to(tl.int64) * SW
+    accs, accms = _izeros(R, NB, T)
+    accs, accms = _irows_dot(wp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, N_BLOCKS, R, NB, T, EMU)
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _itotal(accs[r], accms[r])
+        if HAS_RES:
+            v += tl.load(res_ptr + row, mask=row < M, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < M)
+
+
+@triton.jit
+def _igate_up_kernel(wg_ptr, wu_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, ids_ptr, route_ptr, wts_ptr, E, out_ptr, F,
+                     stride_ge, stride_ue, stride_out, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                     T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
+                     N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EMU: tl.constexpr):
+    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, 36 N_BLOCKS]; x24 of [K]; ids: [n_sel] (chosen here from
+    the router's logits with ROUTE, as wmatvec's `_expert_id`); out: f32 [n_sel, F] (rows permuted with
+    PERM_OUT: the input of a word-kernel down product)."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    sel = tl.program_id(1)
+    row0 = tl.program_id(0) * R
+    eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
+    wg = wg_ptr + eid * stride_ge + row0.to(tl.int64) * SW
+    wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
+    ga, gm = _izeros(R, NB, T)
+    ua, um = _izeros(R, NB, T)
+    for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
+        xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
+        nga = ()
+        ngm = ()
+        nua = ()
+        num = ()
+        for r in tl.static_range(R):
+            ok = row0 + r < F
+            a, am = _irow_step(wg, r * SW, ok, kb, xt, 1.0, ga[r], gm[r], NB, T, EMU)
+            nga = nga + (a,)
+            ngm = ngm + (am,)
+            a, am = _irow_step(wu, r * SW, ok, kb, xt, 1.0, ua[r], um[r], NB, T, EMU)
+            nua = nua + (a,)
+            num = num + (am,)
+        ga, gm, ua, um = nga, ngm, nua, num
+    for r in tl.static_range(R):
+        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal(ga[r], gm[r]), _itotal(ua[r], um[r]), ACT,
+                 PERM_OUT)
+
+
+@triton.jit
+def _idown_kernel(w_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e,
+                  N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
+                  EMU: tl.constexpr):
+    """Grid (cdiv(N, R),). w: int32 [E, N, 36 N_BLOCKS]; x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`);
+    ids/wts: [n_sel]; res/out: f32 [N]. The routing weight folded into the scales, experts summed in order."""
+    SW: tl.constexpr = 36 * N_BLOCKS
+    row0 = tl.program_id(0) * R
+    accs, accms = _izeros(R, NB, T)
+    for i in range(N_SEL):
+        eid = tl.load(ids_ptr + i).to(tl.int64)
+        wp = w_ptr + eid * stride_e + row0.to(tl.int64) * SW
+        accs, accms = _irows_dot(wp, row0, N, hh_ptr + i * (64 * N_BLOCKS), hl_ptr + i * (64 * N_BLOCKS),
+                                 hs_ptr + i * (8 * N_BLOCKS),
+                                 hsum_ptr + i * (8 * N_BLOCKS), tl.load(wts_ptr + i), accs, accms,
+                                 N_BLOCKS, R, NB, T, EMU)
+    for r in tl.static_range(R):
+        row = row0 + r
+        v = _itotal(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        tl.store(out_ptr + row, v, mask=row < N)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+
+QUANT_BLOCK = 8  # groups of 32 per quantizer program
+# T: consecutive qs words a thread holds (8: two 16-byte loads per row and block, the sub-block's scales decoded
+# once). Tiles measured on the H200 at OLMoE sizes (bench_qmatvec --itiles, us; NOTES.md 7n): attention 2048 x 2048
+# 3.62 at 2 rows (4.35 on the word kernel), gate+up 10.05 at 4 (13.22), down 8.89 at 2 (11.21), a 50304-row
+# output 23.9 at 4 (34.0)
+WORDS_PER_THREAD = 8
+ITILES = {"mv": WTile(2, 8), "mv_big": WTile(4, 8), "gate_up": WTile(4, 8), "down": WTile(2, 4)}
+BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES["mv_big"]
+
+
+def quantize_x24(x: torch.Tensor, out: X24 | None = None) -> X24:
+    """x f32 [..., K] (contiguous, K % 32 == 0) -> X24 (hi int16, lo uint8 [..., K], s / sum f32 [..., K / 32])."""
+    if x.shape[-1] % X_GROUP or not x.is_contiguous():
+        raise ValueError(f"quantize_x24 needs contiguous x with K % {X_GROUP} == 0, got {tuple(x.shape)}")
+    out = out or empty_x24(tuple(x.shape), x.device)
+    n = x.numel() // X_GROUP
+    _quant_x24_kernel[(triton.cdiv(n, QUANT_BLOCK),)](x, *out, n, G=X_GROUP, BLOCK=QUANT_BLOCK,
+                                                       num_warps=1)
+    return out
+
+
+def _xviews(x: X24, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' views of an X24 of [..., K]: hi as int64, lo as int32 (4 values each), s, sum."""
+    if x.hi.shape[-1] != k or not (x.hi.is_contiguous() and x.lo.is_contiguous()) or x.hi.data_ptr() % 8 \
+            or x.lo.data_ptr() % 4:
+        raise ValueError(f"x24 must be contiguous [..., {k}] (hi 8-byte, lo 4-byte aligned), got {tuple(x.hi.shape)}")
+    return x.hi.view(torch.int64), x.lo.view(torch.int32), x.s, x.sum
+
+
+def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor | None = None,
+              *, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix. w: uint8 [M, row_bytes]; x: X24 of [K]."""
+    m, k = w.shape[0], x.hi.shape[-1]
+    t = wtile_for("mv", m, k, m, w.device, tile or ITILES["mv_big" if m >= BIG_ROWS else "mv"])
+    _imv_kernel[(triton.cdiv(m, t.rows),)](
+        _words(w, k), *_xviews(x, k), out if residual is None else residual, out, m,
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
+                  act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
+                  route: Route | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+    """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts. w_*: uint8 [E, F, row_bytes];
+    x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out: f32 [n_sel, F],
+    rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0)."""
+    f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
+    if perm_out and f % 256:
+        raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
+    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile or ITILES["gate_up"])
+    wg, wu = _words(w_gate, k), _words(w_up, k)
+    rargs, rconst = _route_args(route, ids)
+    _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
+        wg, wu, *_xviews(x, k), ids, *rargs, out, f, wg.stride(0), wu.stride(0), out.stride(0),
+        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
+        EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
+               out: torch.Tensor, *, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K experts, summed in order.
+    w_down: uint8 [E, N, row_bytes]; h: X24 of [n_sel, F]; ids / weights: [n_sel]; residual / out: f32 [N]."""
+    n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
+    t = wtile_for("down", n, f, n, w_down.device, tile or ITILES["down"])
+    ww = _words(w_down, f)
+    _idown_kernel[(triton.cdiv(n, t.rows),)](
+        ww, *_xviews(h, f), ids, weights, residual, out, n, ww.stride(0),
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return out

@@ -1,0 +1,120 @@
+"""Integer-dot Q4_K kernels (kernels/triton/imatvec.py) against float64 products of gguf's dequantized weights.
+
+Two references per product: the float64 product with x24's dequantized x (what the kernel computes, up to float32
+rounding: RTOL of sum |w| |x|) and with the original x (x's 24-bit rounding: at most 2^-24 of each group's largest
+value per element, so well inside RTOL too). Without a GPU the kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
+
+from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.triton import imatvec as ik  # noqa: E402
+from moerun.kernels.triton import wmatvec as wk  # noqa: E402
+
+Q4_K = int(T.Q4_K)
+X_TOL = 2e-5  # against the unquantized x
+TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(2, 4, 2, 2)]
+
+
+def _x24(x: torch.Tensor, device: torch.device) -> tuple[ik.X24, torch.Tensor]:
+    """x24 from the kernel (checked against the twin) and its dequantized x, float64 on the CPU."""
+    xq = ik.quantize_x24(x.to(device))
+    ref = ik.quantize_x24_ref(x)
+    got_q = xq.hi.cpu().int() * 256 + xq.lo.cpu().int()
+    assert (got_q - (ref.hi.int() * 256 + ref.lo.int())).abs().max() <= 1  # the GPU's division may round otherwise
+    torch.testing.assert_close(xq.s.cpu(), ref.s, rtol=1e-6, atol=0)
+    torch.testing.assert_close(xq.sum.cpu(), ref.sum, rtol=1e-5, atol=1e-5)
+    return xq, ik.dequantize_x24(ik.X24(*(t.cpu() for t in xq))).double()
+
+
+def test_quantize_x24_bound(device, rng) -> None:
+    gen, seed = rng
+    x = vec(gen, 3, 96) * torch.logspace(-3, 3, 96)  # groups of very different size
+    x[1, 32:64] = 0.0  # an all-zero group
+    x[2, 64] = -x[2, 64:96].abs().max() * 1.5  # the group's largest value negative: X = -(2^23 - 1)
+    xq, xd = _x24(x, device)
+    big = x.abs().reshape(3, 3, 32).amax(-1, keepdim=True).expand(3, 3, 32).reshape(3, 96)
+    assert ((xd - x.double()).abs() <= big.double() * 2.0 ** -23).all(), f"seed {seed}"
+    assert (xq.hi.cpu()[1, 32:64] == 0).all() and (xq.lo.cpu()[1, 32:64] == 0).all() and xq.s.cpu()[1, 1] == 0
+    assert int(xq.hi.cpu()[2, 64]) * 256 + int(xq.lo.cpu()[2, 64]) == -(2 ** 23 - 1)
+
+
+@pytest.mark.parametrize("words", [4, 8])
+@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
+def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
+    gen, seed = rng
+    k = 256 * n_sb
+    raw, dense = quant_weights(Q4_K, (m,), k, gen, device)
+    x = vec(gen, k)
+    xq, xd = _x24(x, device)
+    out = torch.full((m,), float("nan"), device=device)
+    r = vec(gen, m) if res else torch.zeros(m)
+    if res:
+        out.copy_(r.to(device))
+    got = ik.qmatvec_i(raw, xq, out, out if res else None, tile=tile, words=words)
+    assert got is out
+    what = f"Q4_K imatvec M={m} K={k} tile={tile} words={words}"
+    check_bound(out, dense @ xd + r.double(), dense.abs() @ xd.abs() + r.double().abs(), seed, what)
+    check_bound(out, dense @ x.double() + r.double(), dense.abs() @ x.double().abs() + r.double().abs(), seed,
+                what + " (unquantized x)", tol=X_TOL)
+
+
+@pytest.mark.parametrize("words", [4, 8])
+@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_moe_gate_up_i(tile, words, device, rng) -> None:
+    gen, seed = rng
+    e, f, k = 5, 37, 768
+    wg, dg = quant_weights(Q4_K, (e, f), k, gen, device)
+    wu, du = quant_weights(Q4_K, (e, f), k, gen, device)
+    xq, xd = _x24(vec(gen, k), device)
+    for ids_list, act, dtype in [([4, 1, 4], "silu", torch.int64), ([2], "gelu_tanh", torch.int32)]:
+        ids = torch.tensor(ids_list, dtype=dtype)
+        g, u = dg[ids] @ xd, du[ids] @ xd
+        a = ACTIVATIONS[act](g)
+        bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
+        out = torch.full((len(ids_list), f), float("nan"), device=device)
+        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), out, act, tile=tile, words=words)
+        check_bound(out, a * u, bound, seed, f"Q4_K igate_up ids={ids_list} {act} tile={tile} words={words}")
+
+
+@pytest.mark.parametrize("words", [4, 8])
+@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_moe_down_i(tile, words, device, rng) -> None:
+    gen, seed = rng
+    e, n, f = 5, 37, 768
+    w, dw = quant_weights(Q4_K, (e, n), f, gen, device)
+    for ids_list, dtype in [([3, 0, 3], torch.int32), ([1], torch.int64)]:
+        n_sel = len(ids_list)
+        ids = torch.tensor(ids_list, dtype=dtype)
+        hq, hd = _x24(vec(gen, n_sel, f), device)
+        wts = torch.from_numpy(gen.uniform(0.05, 1.0, n_sel).astype(np.float32))
+        r = vec(gen, n)
+        parts = torch.einsum("snf,sf->sn", dw[ids], hd)
+        bounds = torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())
+        ref = r.double() + (wts.double()[:, None] * parts).sum(0)
+        bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
+        out = r.to(device)  # out aliases residual
+        ik.moe_down_i(w, hq, ids.to(device), wts.to(device), out, out, tile=tile, words=words)
+        check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
+
+
+def test_deterministic(device, rng) -> None:
+    gen, _ = rng
+    raw, _ = quant_weights(Q4_K, (130,), 512, gen, device)
+    xq, _ = _x24(vec(gen, 512), device)
+    a = ik.qmatvec_i(raw, xq, torch.empty(130, device=device))
+    b = ik.qmatvec_i(raw, xq, torch.empty(130, device=device))
+    assert torch.equal(a, b)
