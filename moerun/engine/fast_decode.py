@@ -92,13 +92,13 @@ class FastDecoder:
         self.q_rot = torch.empty(H, D, **f32)
         self.attn = torch.empty(H, Dv, **f32)
         self.attn_p = torch.empty(H * Dv, **f32)  # attn in the word kernels' order, where attn_output reads it
+        self.attn24 = X24.empty((H * Dv,), dev)  # attn quantized, where attn_output reads it (ops.ints)
         self.router_logits = torch.empty(max(cfg.n_expert, 1), **f32)
         self.ids = torch.zeros(K, device=dev, dtype=torch.int32)       # chosen experts
         self.route_w = torch.ones(K, **f32)                             # their weights
         self.h = torch.empty(K, F, **f32)
         self.xp = torch.empty(N, **f32)       # xn in the word kernels' order (ops.perm), where one reads it
-        self.x24 = X24(torch.empty(N, device=dev, dtype=torch.int16), torch.empty(N, device=dev, dtype=torch.uint8),
-                       torch.empty(N // 32, **f32), torch.empty(N // 32, **f32))  # xn quantized (ops.ints)
+        self.x24 = X24.empty((N,), dev)  # xn quantized, where an integer-dot kernel reads it (ops.ints)
         self._weights(weights)
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
@@ -174,18 +174,19 @@ class FastDecoder:
             ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp, x24=x24)
         wo = L["attn_output"]
         ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
+        a24 = self.attn24 if ops.ints(wo.qtype, self.attn_p.shape[0], "mv") and cfg.head_dim_v % 32 == 0 else None
         ops.rope_attention(  # QK-norm, RoPE, this step's k/v into the cache, attention over it
             self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos, self.kv_len,
             self.cache.k[i], self.cache.v[i], self.q_rot, self.attn, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
             rope_style=spec.rope_style, rope_dim=cfg.rope_dim,
             base=cfg.rope_base_swa if swa else cfg.rope_base, scale=1.0 if swa else cfg.rope_scale,
             freq_factors=self.rope_freqs, attn_scale=cfg.attn_scale, window=cfg.sliding_window if swa else 0,
-            out_perm=ap)
+            out_perm=ap, out_x24=a24)
         if spec.post_norms:
-            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.y, x_perm=ap)
+            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.y, x_perm=ap, x24=a24)
             self._add_block_output(L["post_attention_norm"])
         else:
-            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x, x_perm=ap)
+            ops.qmatvec(wo.raw, wo.qtype, self.attn.view(-1), self.x, residual=self.x, x_perm=ap, x24=a24)
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         xp = self._perm("gate_up", g, u)

@@ -46,6 +46,13 @@ class X24(NamedTuple):
     s: torch.Tensor
     sum: torch.Tensor
 
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], device: torch.device | str) -> X24:
+        """Uninitialised buffers for x [*shape] (shape[-1] % 32 == 0)."""
+        g = (*shape[:-1], shape[-1] // 32)
+        return cls(torch.empty(shape, dtype=torch.int16, device=device), torch.empty(shape, dtype=torch.uint8,
+                   device=device), torch.empty(g, device=device), torch.empty(g, device=device))
+
 
 class Route(NamedTuple):
     """Routing done by the gate/up op itself (`moe_gate_up(route=...)`): the router's logits [E] f32 in, the
@@ -206,7 +213,7 @@ class TorchOps:
                        k_cache: torch.Tensor, v_cache: torch.Tensor, q_rot: torch.Tensor, out: torch.Tensor, *,
                        eps: float, qk_norm: str, rope_style: str, rope_dim: int, base: float, scale: float,
                        freq_factors: torch.Tensor | None, attn_scale: float, window: int,
-                       out_perm: torch.Tensor | None = None) -> None:
+                       out_perm: torch.Tensor | None = None, out_x24: Any = None) -> None:
         """`qk_norm_rope_store` (q_rot [H, D] its rotated q) then `attention_decode` of q_rot: one step's attention
         from the raw projections. pos_t [1] = kv_len_t - 1 (the row this step writes)."""
         TorchOps.qk_norm_rope_store(q, k, v, q_norm_w, k_norm_w, pos_t, k_cache, v_cache, q_rot, eps=eps,
@@ -217,9 +224,9 @@ class TorchOps:
     @staticmethod
     def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                          scale: float, window: int, out: torch.Tensor,
-                         out_perm: torch.Tensor | None = None) -> None:
+                         out_perm: torch.Tensor | None = None, out_x24: Any = None) -> None:
         """One query q [H, D] at position L-1 over cache rows 0..L-1 (kv_len_t [1] = L) -> out [H, Dv] f32
-        (and out flattened in permute_k4 order into out_perm [H * Dv])."""
+        (and out flattened in permute_k4 order into out_perm [H * Dv]; out_x24 unused)."""
         out.copy_(ref.attention(q[None], k_cache, v_cache, kv_len_t - 1, scale, window)[0])
         if out_perm is not None:
             out_perm.copy_(permute_k4(out.reshape(-1)))

@@ -192,22 +192,23 @@ class TritonOps:
 
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
-                         out_perm: torch.Tensor | None = None) -> None:
+                         out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm)
+                            out_perm=out_perm, out_x24=out_x24)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, q_rot: torch.Tensor, out: torch.Tensor, *,
                        eps: float, qk_norm: str, rope_style: str, rope_dim: int, base: float, scale: float,
                        freq_factors: torch.Tensor | None, attn_scale: float, window: int,
-                       out_perm: torch.Tensor | None = None) -> None:
+                       out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         """As TorchOps.rope_attention in one launch pair (split + reduce): the split programs norm and rotate
         q themselves and store this step's k and v (q_rot is not written; pos_t is kv_len_t - 1)."""
         table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
-                            self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope)
+                            self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
+                            out_x24=out_x24)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

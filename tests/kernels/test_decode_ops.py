@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from support.kernel_checks import DEV, RTOL, close, nan, randn  # noqa: E402
 
 from moerun.kernels import reference as ref  # noqa: E402
-from moerun.kernels.torch_ops import permute_k4  # noqa: E402
+from moerun.kernels.torch_ops import X24, permute_k4  # noqa: E402
 from moerun.kernels.triton import decode_ops as ops  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -29,6 +29,36 @@ def test_rms_norm(gen: torch.Generator, n: int) -> None:
     out = nan(n)
     ops.rms_norm(x, w, 1e-6, out)
     close(out, ref.rms_norm(x, w, 1e-6))
+
+
+def poisoned_x24(*shape: int) -> X24:
+    """An X24 output with every byte set (so a value the kernel does not write shows)."""
+    x = X24.empty(shape, DEV)
+    for t in x:
+        t.view(torch.uint8).fill_(0xFF)
+    return x
+
+
+def check_x24(got: X24, x: torch.Tensor) -> None:
+    """got is imatvec's quantization of x [..., K] (its plain-torch twin; the division may round differently on
+    the GPU: X within 1, s and the sums within float32 rounding)."""
+    from moerun.kernels.triton.imatvec import quantize_x24_ref
+
+    want = quantize_x24_ref(x.cpu())
+    q = got.hi.cpu().int() * 256 + got.lo.cpu().int()
+    assert (q - (want.hi.int() * 256 + want.lo.int())).abs().max() <= 1
+    torch.testing.assert_close(got.s.cpu(), want.s, rtol=1e-6, atol=0)
+    close(got.sum.cpu(), want.sum)
+
+
+@pytest.mark.parametrize("n", [256, 2048])
+def test_rms_norm_x24(gen: torch.Generator, n: int) -> None:
+    """With out_x24 the same launch also quantizes its output for the integer-dot kernels (imatvec.X24)."""
+    x, w = randn(gen, 3, n, scale=3.0), randn(gen, n)
+    out, x24 = nan(3, n), poisoned_x24(3, n)
+    ops.rms_norm(x, w, 1e-6, out, out_x24=x24)
+    close(out, ref.rms_norm(x, w, 1e-6))
+    check_x24(x24, out)
 
 
 def test_rms_norm_rows(gen: torch.Generator) -> None:
@@ -153,6 +183,18 @@ def test_attention_decode_perm_out(gen: torch.Generator) -> None:
     assert torch.equal(out_p.cpu(), permute_k4(out.reshape(-1).cpu()))
 
 
+def test_attention_decode_x24_out(gen: torch.Generator) -> None:
+    """The reduce step also writes the output flattened and quantized (imatvec.X24, for attn_output)."""
+    h, hkv, d, n_ctx, kv_len = 4, 2, 64, 32, 9
+    q = randn(gen, h, d)
+    k_cache, v_cache = randn(gen, n_ctx, hkv, d), randn(gen, n_ctx, hkv, d)
+    scratch = ops.attention_scratch(h, d, 2, DEV)
+    out, x24 = nan(h, d), poisoned_x24(h * d)
+    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
+    ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, out, scratch, block_n=16, out_x24=x24)
+    check_x24(x24, out.reshape(-1))
+
+
 def test_attention_splits_policy() -> None:
     assert ops.attention_splits(4096, 16, 132) == 33  # 528 programs of 128 positions
     assert ops.attention_splits(96, 16, 132, block_n=64) == 2  # never more splits than tiles
@@ -195,17 +237,21 @@ def test_router_topk(gen: torch.Generator, e: int, n: int, k: int) -> None:
     assert torch.equal(id_out.long(), id_ref[0])
 
 
-@pytest.mark.parametrize("e,n,perm", [(7, 37, False), (64, 512, True), (3, 8192, True)])
+@pytest.mark.parametrize("e,n,perm", [(7, 37, False), (64, 512, True), (3, 8192, True), (5, 256, False)])
 def test_norm_router(gen: torch.Generator, e: int, n: int, perm: bool) -> None:
     """RMSNorm + router in one launch: the normalised x equals rms_norm's, bit for bit (every element written
-    once, by one of the E programs); the logits equal the router's product of it."""
+    once, by one of the E programs); the logits equal the router's product of it. With N % 32 == 0 also x
+    quantized (imatvec.X24, every 32-value group written by one program)."""
     x, nw, w = randn(gen, n, scale=3.0), randn(gen, n), randn(gen, e, n, scale=0.1)
     logits, xn, xp = nan(e), nan(n), nan(n) if perm else None
-    ops.norm_router(x, nw, 1e-6, w, logits, xn, xp)
+    x24 = poisoned_x24(n) if n % 32 == 0 else None
+    ops.norm_router(x, nw, 1e-6, w, logits, xn, xp, x24)
     want_xn = ops.rms_norm(x, nw, 1e-6, nan(n))
     assert torch.equal(xn, want_xn)
     if perm:
         assert torch.equal(xp, permute_k4(want_xn))
+    if x24 is not None:
+        check_x24(x24, want_xn)
     close(logits, (w.double() @ want_xn.double()).float())
 
 

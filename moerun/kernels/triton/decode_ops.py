@@ -377,12 +377,13 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
 
 
 @triton.jit
-def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PERM: tl.constexpr):
+def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+                        DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        PERM: tl.constexpr, X24: tl.constexpr):
     """Program h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
 
     m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32 (with PERM also perm: out flattened, in the
-    word kernels' order `perm_slot`).
+    word kernels' order `perm_slot`; with X24 out flattened and quantized for the integer-dot kernels, DV % 32 == 0).
     """
     h = tl.program_id(0)
     base = h * N_SPLITS
@@ -406,6 +407,10 @@ def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, DV: tl.constex
     tl.store(out_ptr + h * DV + dv, out, mask=dv < DV)
     if PERM:
         tl.store(perm_ptr + perm_slot(h * DV + dv), out, mask=dv < DV)
+    if X24:
+        g = tl.arange(0, BLOCK_DV // 32)
+        store_x24(tl.reshape(out, [BLOCK_DV // 32, 32]), h * (DV // 32) + g, g * 32 < DV, hi_ptr, lo_ptr, xs_ptr,
+                  xsum_ptr, 32)
 
 
 class RopeStore(NamedTuple):
@@ -428,14 +433,15 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
-                     rope: RopeStore | None = None) -> torch.Tensor:
+                     rope: RopeStore | None = None, out_x24: Any = None) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
     reads kv head h // (H/Hkv)); kv_len_t: [1] int device tensor L (= pos + 1, 1 <= L <= n_ctx);
     scratch: attention_scratch(H, Dv, S) with S from attention_splits; out: [H, Dv] f32. Two launches:
     H x S split programs, then H reduce programs (split / reduce=False skip one: a benchmark hook). out_perm
-    ([H * Dv], H * Dv % 256 == 0): also receives out flattened in wmatvec.permute_k4 order. Returns out.
+    ([H * Dv], H * Dv % 256 == 0): also receives out flattened in wmatvec.permute_k4 order; out_x24 (imatvec.X24
+    of [H * Dv], Dv % 32 == 0) out flattened and quantized for the integer-dot kernels. Returns out.
     With GQA the G query heads of a kv head are adjacent programs reading the same K/V tiles (mostly L2 hits).
     rope: q is the raw projection (q.view(H, D)) and the launch first does `qk_norm_rope_store`'s work at position
     L-1 (the cache row this step writes), with the same arithmetic: one launch less per layer.
@@ -467,9 +473,10 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if reduce:
         if out_perm is not None and (h * dv) % 256:
             raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
-        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, out if out_perm is None else out_perm, DV=dv,
+        xa = _x24_args(out_x24, dv, "out_x24", out)
+        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, out if out_perm is None else out_perm, *xa, DV=dv,
                                   N_SPLITS=n_splits, BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv),
-                                  PERM=out_perm is not None, num_warps=4)
+                                  PERM=out_perm is not None, X24=out_x24 is not None, num_warps=4)
     return out
 
 

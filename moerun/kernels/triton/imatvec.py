@@ -44,10 +44,7 @@ _EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def empty_x24(shape: tuple[int, ...], device: torch.device) -> X24:
-    *lead, k = shape
-    g = (*lead, k // X_GROUP)
-    return X24(torch.empty(shape, dtype=torch.int16, device=device), torch.empty(shape, dtype=torch.uint8,
-               device=device), torch.empty(g, device=device), torch.empty(g, device=device))
+    return X24.empty(shape, device)
 
 
 def supports(qtype: int, k: int) -> bool:
