@@ -28,7 +28,8 @@ KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": 
            "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel", "mv6b": "_wmvx_kernel",
            "down6b": "_wdownx_kernel"}  # mv6 / down6: Q6_K; *6b: Q6_K on `bytes_q6k`'s copy; *8: Q8_0;
 # gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
-IKERNELS = {"imv": "_imv_kernel", "igate_up": "_igate_up_kernel", "idown": "_idown_kernel"}  # imatvec.py (Q4_K)
+IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "igate_up": "_igate_up_kernel",
+            "idown": "_idown_kernel"}  # imatvec.py (Q4_K; imv6: Q6_K on its signed bytes copy)
 WORDS = ik.WORDS_PER_THREAD
 
 
@@ -61,6 +62,9 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     try:
         if kind == "imv":
             ik.qmatvec_i(_q4k(N, N), ik.empty_x24((N,), torch.device("cpu")), torch.empty(N), tile=tile, words=WORDS)
+        elif kind == "imv6":
+            ik.qmatvec_i(wk.bytes_q6k(_q6k(N, N), signed=True), ik.empty_x24((N,), torch.device("cpu")), torch.empty(N),
+                         qtype=14, tile=tile)
         elif kind == "igate_up":
             w = _q4k(E, F, N)
             ik.moe_gate_up_i(w, w, ik.empty_x24((N,), torch.device("cpu")), ids, torch.empty(TOPK, F), tile=tile,

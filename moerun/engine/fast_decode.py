@@ -97,6 +97,7 @@ class FastDecoder:
         self.ids = torch.zeros(K, device=dev, dtype=torch.int32)       # chosen experts
         self.route_w = torch.ones(K, **f32)                             # their weights
         self.h = torch.empty(K, F, **f32)
+        self.h24 = X24.empty((K, F), dev) if F % 32 == 0 else None  # h quantized, where an integer down reads it
         self.xp = torch.empty(N, **f32)       # xn in the word kernels' order (ops.perm), where one reads it
         self.x24 = X24.empty((N,), dev)  # xn quantized, where an integer-dot kernel reads it (ops.ints)
         self._weights(weights)
@@ -156,7 +157,9 @@ class FastDecoder:
     def _perm(self, kind: str, *mats: _Mat) -> torch.Tensor | None:
         """self.xp if one of these matrices (over the model width, in products of `kind`) reads permuted
         activations, else None."""
-        return self.xp if any(self.ops.perm(m.qtype, self.cfg.n_embd, kind) for m in mats) else None
+        n = self.cfg.n_embd
+        return self.xp if any(self.ops.perm(m.qtype, n, kind) and not self.ops.ints(m.qtype, n, kind)
+                              for m in mats) else None
 
     def _x24(self, kind: str, *mats: _Mat) -> X24 | None:
         """self.x24 if one of these matrices (over the model width, in products of `kind`) reads x quantized
@@ -173,8 +176,8 @@ class FastDecoder:
         for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
             ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp, x24=x24)
         wo = L["attn_output"]
-        ap = self.attn_p if ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
         a24 = self.attn24 if ops.ints(wo.qtype, self.attn_p.shape[0], "mv") and cfg.head_dim_v % 32 == 0 else None
+        ap = self.attn_p if a24 is None and ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
         ops.rope_attention(  # QK-norm, RoPE, this step's k/v into the cache, attention over it
             self.q, self.k, self.v, L.get("attn_q_norm"), L.get("attn_k_norm"), self.pos, self.kv_len,
             self.cache.k[i], self.cache.v[i], self.q_rot, self.attn, eps=cfg.rms_eps, qk_norm=spec.qk_norm,
@@ -198,14 +201,17 @@ class FastDecoder:
             route = Route(self.router_logits, self.route_w, cfg.expert_weights_norm)
         else:
             ops.rms_norm(self.x, L["ffn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
-        h_perm = ops.perm(d.qtype, self.h.shape[-1], "down")  # down reads h permuted
+        f = self.h.shape[-1]
+        # down reads h quantized (written by the integer gate/up), or permuted (a word kernel), or as it is
+        h24 = self.h24 if x24 is not None and ops.ints(d.qtype, f, "down") else None
+        h_perm = h24 is None and ops.perm(d.qtype, f, "down")
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
-                        perm_out=h_perm, route=route, x24=x24)
+                        perm_out=h_perm, route=route, x24=x24, h_x24=h24)
         if spec.post_norms:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm, h_x24=h24)
             self._add_block_output(L["post_ffw_norm"])
         else:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24)
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""

@@ -109,7 +109,7 @@ class TorchOps:
     def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool = False,
-                    route: Route | None = None, x24: Any = None) -> torch.Tensor:
+                    route: Route | None = None, x24: Any = None, h_x24: Any = None) -> torch.Tensor:
         """out [K, F] = act(Wg[ids] @ x) * (Wu[ids] @ x); w_*: [E, F, row_bytes], ids: [K] int32 device.
         x_perm: permute_k4(x), read instead of x when given; perm_out: rows of out in permute_k4 order;
         route: choose the experts first (`route_topk` into ids and route.weights_out)."""
@@ -126,7 +126,7 @@ class TorchOps:
     @staticmethod
     def moe_down(w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False) -> torch.Tensor:
+                 h_perm: bool = False, h_x24: Any = None) -> torch.Tensor:
         """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]
         (in permute_k4 order with h_perm)."""
         if h_perm:

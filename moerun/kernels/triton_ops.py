@@ -8,6 +8,7 @@ A weight type without a fused kernel falls back to TorchOps (visible in `paths`)
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType
@@ -29,11 +30,11 @@ class TritonOps:
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
     pad: the word-kernel products in wmatvec.PAD (Q6_K's) read a load-time copy of their matrices in the layout
     their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows.
-    ints: the products in INT_KINDS of the types in imatvec.INT_TYPES run on the integer-dot kernels, which read
-    x quantized to 16 bits per value (`ints`; the producing RMSNorm writes it)."""
+    ints: the products in imatvec.INT_KINDS (Q4_K's and Q6_K's, but Q6_K's gate/up) run on the integer-dot kernels,
+    which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or, for down, the integer
+    gate/up writes it); Q6_K's through a signed bytes copy (`repack`)."""
 
     name = "triton"
-    INT_KINDS = ("mv", "gate_up")  # down reads h, which no kernel quantizes yet
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
@@ -41,6 +42,7 @@ class TritonOps:
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._counter_scratch: dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def has_kernel(qtype: int) -> bool:
@@ -48,13 +50,13 @@ class TritonOps:
 
     def kernel_name(self, qtype: int) -> str:
         """The decode path of a weight type, for the bench's path column."""
-        if self.use_ints and qtype in ik.INT_TYPES:
-            rest = [kd for kd in wk.KERNELS if kd not in self.INT_KINDS and self.words and qtype in wk.KERNELS[kd]]
-            return f"triton-int({','.join(self.INT_KINDS)})" + (f"+words({','.join(rest)})" if rest else "")
+        ints = [kd for kd in wk.KERNELS if self.ints(qtype, 256, kd)]
         if self.words and qtype in wk.WORD_TYPES:
             kinds = [kd + (f">={wk.MIN_ROWS[(kd, qtype)]}" if (kd, qtype) in wk.MIN_ROWS else "")
                      + (" repacked" if self.pad and (kd, qtype) in wk.PAD else "")
-                     for kd, table in wk.KERNELS.items() if qtype in table]
+                     for kd, table in wk.KERNELS.items() if qtype in table and kd not in ints]
+            if ints:
+                return f"triton-int({','.join(ints)})" + (f"+words({','.join(kinds)})" if kinds else "")
             if kinds == list(wk.KERNELS):  # every product, any size, the file's rows
                 return "triton-words"
             return f"triton+words({','.join(kinds)})"  # e.g. Q6_K: words for some products, bytes for the rest
@@ -67,7 +69,7 @@ class TritonOps:
 
     def ints(self, qtype: int, k: int, kind: str) -> bool:
         """Whether products of this type over K inputs (of `kind`) run on the integer-dot kernels (x24 input)."""
-        return self.use_ints and kind in self.INT_KINDS and ik.supports(qtype, k)
+        return self.use_ints and ik.supports(qtype, k, kind)
 
     def repack(self, qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
         """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): wmatvec.PAD's
@@ -77,7 +79,9 @@ class TritonOps:
         if copy is None:
             return w
         k = w.shape[-1] // wk.ROW_BYTES[qtype] * 256
-        if not wk.supports(qtype, k, kind, w.shape[-2]):
+        if self.ints(qtype, k, kind) and qtype == ik.Q6_K:
+            copy = partial(wk.bytes_q6k, signed=True)  # the integer kernel's layout (imatvec.Q6I)
+        elif not wk.supports(qtype, k, kind, w.shape[-2]):
             return w
         if w.is_cuda and torch.cuda.mem_get_info(w.device)[0] < 1.5 * w.nbytes + REPACK_RESERVE:
             if not self._repack_warned:
@@ -91,8 +95,8 @@ class TritonOps:
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
-        if x24 is not None and self.ints(qtype, x.shape[-1], "mv"):
-            return ik.qmatvec_i(w, x24, out, residual)
+        if x24 is not None and self.ints(qtype, x.shape[-1], "mv") and ik.takes(qtype, w, x.shape[-1]):
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -102,15 +106,21 @@ class TritonOps:
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                     x_perm: torch.Tensor | None = None, perm_out: bool = False,
-                    route: Route | None = None, x24: ik.X24 | None = None) -> torch.Tensor:
+                    route: Route | None = None, x24: ik.X24 | None = None,
+                    h_x24: ik.X24 | None = None) -> torch.Tensor:
         """As TorchOps.moe_gate_up; with `route` the word and integer kernels choose the experts inside the same
-        launch, the other paths launch route_topk first."""
+        launch, the other paths launch route_topk first. h_x24: out also quantized (for an integer-dot down; the
+        integer gate/up only, so x24 must be given)."""
         k = x.shape[-1]
         if route is not None and route.logits.shape[-1] > dk.ROUTE_MAX_E:  # too many experts to rank in gate/up
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             route = None
         if x24 is not None and qtype_gate == qtype_up and self.ints(qtype_gate, k, "gate_up"):
-            return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route)
+            cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
+            return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
+                                    counters=cnt)
+        if h_x24 is not None:
+            raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
             return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out,
                                                      route=route)
@@ -122,7 +132,9 @@ class TritonOps:
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False) -> torch.Tensor:
+                 h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
+        if h_x24 is not None and self.ints(qtype, h.shape[-1], "down") and ik.takes(qtype, w_down, h.shape[-1]):
+            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
@@ -130,6 +142,13 @@ class TritonOps:
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
         return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
+
+    def _counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""
+        c = self._counter_scratch.get((n, device))
+        if c is None:
+            c = self._counter_scratch[(n, device)] = torch.zeros(n, dtype=torch.int32, device=device)
+        return c
 
     @staticmethod
     def embed(w: torch.Tensor, qtype: int, ids: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

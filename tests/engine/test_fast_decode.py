@@ -100,12 +100,14 @@ def test_make_ops_names() -> None:
 
     assert make_ops("torch").name == "torch"
     assert make_ops("triton").words and not make_ops("triton-bytes").words
-    assert make_ops("triton").kernel_name(12) == "triton-int(mv,gate_up)+words(down)"
+    assert make_ops("triton").kernel_name(12) == "triton-int(mv,gate_up,down)"
     assert make_ops("triton-words").kernel_name(12) == "triton-words"
     assert make_ops("triton").ints(12, 2048, "gate_up") and not make_ops("triton-words").ints(12, 2048, "gate_up")
-    assert not make_ops("triton").ints(12, 2048, "down") and not make_ops("triton").ints(14, 2048, "mv")
+    assert make_ops("triton").ints(12, 2048, "down") and make_ops("triton").ints(14, 2048, "mv")
+    assert not make_ops("triton").ints(14, 2048, "gate_up") and not make_ops("triton").ints(8, 2048, "mv")
     assert make_ops("triton").kernel_name(8) == "triton-words"
-    assert make_ops("triton").kernel_name(14) == "triton+words(mv repacked,gate_up repacked,down repacked)"
+    assert make_ops("triton").kernel_name(14) == "triton-int(mv,down)+words(gate_up repacked)"
+    assert make_ops("triton-words").kernel_name(14) == "triton+words(mv repacked,gate_up repacked,down repacked)"
     assert make_ops("triton-unpadded").kernel_name(14) == "triton-words"
     w = torch.zeros(16384, 8 * 210, dtype=torch.uint8)  # a Q6_K output-sized matrix, K = 2048
     assert make_ops("triton").repack(14, "mv", w).shape == (16384, 8 * 288)

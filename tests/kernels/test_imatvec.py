@@ -23,7 +23,7 @@ from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import imatvec as ik  # noqa: E402
 from moerun.kernels.triton import wmatvec as wk  # noqa: E402
 
-Q4_K = int(T.Q4_K)
+Q4_K, Q6_K = int(T.Q4_K), int(T.Q6_K)
 X_TOL = 2e-5  # against the unquantized x
 TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(2, 4, 2, 2)]
 
@@ -51,8 +51,8 @@ def test_quantize_x24_bound(device, rng) -> None:
     assert int(xq.hi.cpu()[2, 64]) * 256 + int(xq.lo.cpu()[2, 64]) == -(2 ** 23 - 1)
 
 
-@pytest.mark.parametrize("words", [4, 8])
-@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4), (wk.WTile(1, 2), 4)],
+                         ids=str)
 @pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
 def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
     gen, seed = rng
@@ -72,8 +72,44 @@ def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
                 what + " (unquantized x)", tol=X_TOL)
 
 
-@pytest.mark.parametrize("words", [4, 8])
-@pytest.mark.parametrize("tile", TILES, ids=str)
+def test_bytes_q6k_signed_exact(device, rng) -> None:
+    """The signed bytes copy (q - 32 per byte, then scales and d) dequantizes to gguf's values exactly."""
+    gen, _ = rng
+    raw, dense = quant_weights(Q6_K, (3,), 512, gen, device)
+    c = wk.bytes_q6k(raw.cpu(), signed=True).reshape(3, 2, wk.BYTES_Q6)
+    q = c[..., :256].view(torch.int8).double()
+    sc = c[..., 256:272].view(torch.int8).double()
+    d = c[..., 272:274].contiguous().view(torch.float16).double()  # [3, 2, 1]
+    got = (d * sc.repeat_interleave(16, -1) * q).reshape(3, 512)
+    assert torch.equal(got, dense)
+
+
+@pytest.mark.parametrize("tile", [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(2, 4, 2, 2)], ids=str)
+@pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
+def test_qmatvec_i_q6k(m, n_sb, res, tile, device, rng) -> None:
+    """Q6_K through its signed bytes copy (imatvec.Q6I)."""
+    gen, seed = rng
+    k = 256 * n_sb
+    raw, dense = quant_weights(Q6_K, (m,), k, gen, device)
+    w = wk.bytes_q6k(raw, signed=True)
+    assert ik.takes(Q6_K, w, k) and not ik.takes(Q6_K, raw, k)
+    xq, xd = _x24(vec(gen, k), device)
+    out = torch.full((m,), float("nan"), device=device)
+    r = vec(gen, m) if res else torch.zeros(m)
+    if res:
+        out.copy_(r.to(device))
+    ik.qmatvec_i(w, xq, out, out if res else None, qtype=Q6_K, tile=tile)
+    check_bound(out, dense @ xd + r.double(), dense.abs() @ xd.abs() + r.double().abs(), seed,
+                f"Q6_K imatvec M={m} K={k} tile={tile}")
+
+
+def test_qmatvec_i_rejects_file_rows(device) -> None:
+    w = torch.zeros(4, 210, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="Q6_K matrix .* no integer-dot kernel"):
+        ik.qmatvec_i(w, ik.empty_x24((256,), device), torch.empty(4, device=device), qtype=Q6_K)
+
+
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)], ids=str)
 def test_moe_gate_up_i(tile, words, device, rng) -> None:
     gen, seed = rng
     e, f, k = 5, 37, 768
@@ -90,8 +126,58 @@ def test_moe_gate_up_i(tile, words, device, rng) -> None:
         check_bound(out, a * u, bound, seed, f"Q4_K igate_up ids={ids_list} {act} tile={tile} words={words}")
 
 
-@pytest.mark.parametrize("words", [4, 8])
-@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
+def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
+    """h_out: the launch also quantizes h for the integer down (each 32-value group by the last of its programs to
+    finish, counters left zero); routed, so the ids come from the same launch. Twice, so the counters' reset shows."""
+    gen, _ = rng
+    e, f, k, n_sel = 5, 64, 256, 2
+    wg, _ = quant_weights(Q4_K, (e, f), k, gen, device)
+    wu, _ = quant_weights(Q4_K, (e, f), k, gen, device)
+    xq, _ = _x24(vec(gen, k), device)
+    cnt = torch.zeros(n_sel * f // 32, dtype=torch.int32, device=device)
+    for _ in range(2):
+        logits = vec(gen, e).to(device)
+        ids = torch.full((n_sel,), -1, dtype=torch.int32, device=device)
+        out = torch.full((n_sel, f), float("nan"), device=device)
+        h24 = ik.empty_x24((n_sel, f), device)
+        route = wk.Route(logits, torch.empty(n_sel, device=device), True)
+        ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile)
+        want = ik.quantize_x24_ref(out.cpu())
+        got_q = h24.hi.cpu().int() * 256 + h24.lo.cpu().int()
+        assert (got_q - (want.hi.int() * 256 + want.lo.int())).abs().max() <= 1
+        torch.testing.assert_close(h24.s.cpu(), want.s, rtol=1e-6, atol=0)
+        assert int(cnt.abs().sum()) == 0
+
+
+def test_moe_gate_up_i_h_out_checked(device) -> None:
+    w = torch.zeros(2, 48, 144, dtype=torch.uint8, device=device)
+    x = ik.empty_x24((256,), device)
+    with pytest.raises(ValueError, match="h_out needs"):
+        ik.moe_gate_up_i(w, w, x, torch.zeros(1, dtype=torch.int32, device=device),
+                         torch.zeros(1, 48, device=device), h_out=ik.empty_x24((1, 64), device),
+                         counters=torch.zeros(2, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("tile", [None, wk.WTile(1, 1), wk.WTile(2, 2, 1, 1)], ids=str)
+def test_moe_down_i_q6k(tile, device, rng) -> None:
+    """Q6_K experts through their signed bytes copy."""
+    gen, seed = rng
+    e, n, f = 4, 37, 512
+    w, dw = quant_weights(Q6_K, (e, n), f, gen, device)
+    w = wk.bytes_q6k(w, signed=True)
+    ids = torch.tensor([2, 0, 2], dtype=torch.int32)
+    hq, hd = _x24(vec(gen, 3, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 3).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    out = r.to(device)
+    ik.moe_down_i(w, hq, ids.to(device), wts.to(device), out, out, qtype=Q6_K, tile=tile)
+    check_bound(out, ref, bound, seed, f"Q6_K idown tile={tile}")
+
+
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)], ids=str)
 def test_moe_down_i(tile, words, device, rng) -> None:
     gen, seed = rng
     e, n, f = 5, 37, 768

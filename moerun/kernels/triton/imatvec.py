@@ -31,13 +31,27 @@ import os
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import X24, Route
 from moerun.kernels.triton.decode_ops import store_x24
 from moerun.kernels.triton.qmatvec import ACTIVATIONS
-from moerun.kernels.triton.wmatvec import WTile, _expert_id, _half, _route_args, _scale_min, _store_h, _words, wtile_for
+from moerun.kernels.triton.wmatvec import (
+    BYTES_Q6,
+    WTile,
+    _expert_id,
+    _half,
+    _route_args,
+    _scale_min,
+    _store_h,
+    _words,
+    wtile_for,
+)
 
-INT_TYPES = (12,)  # Q4_K
+Q4_K, Q6_K = 12, 14
+Q6I = 2014  # layout code: Q6_K as signed bytes q - 32 (`wmatvec.bytes_q6k(signed=True)`)
+INT_KINDS = {Q4_K: ("mv", "gate_up", "down"), Q6_K: ("mv", "down")}  # the products with an integer kernel
+INT_TYPES = tuple(INT_KINDS)
 X_GROUP = 32  # x values per scale
 X_MAX = 8388607.0  # 2^23 - 1
 _EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -47,9 +61,9 @@ def empty_x24(shape: tuple[int, ...], device: torch.device) -> X24:
     return X24.empty(shape, device)
 
 
-def supports(qtype: int, k: int) -> bool:
-    """True when an integer-dot kernel takes products of this type over K inputs."""
-    return qtype in INT_TYPES and k % 256 == 0
+def supports(qtype: int, k: int, kind: str) -> bool:
+    """True when an integer-dot kernel takes products of this type over K inputs in product `kind`."""
+    return kind in INT_KINDS.get(qtype, ()) and k % 256 == 0
 
 
 def quantize_x24_ref(x: torch.Tensor) -> X24:
@@ -81,12 +95,26 @@ def _quant_x24_kernel(x_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, N_GROUPS, G: tl.con
 
 
 @triton.jit
-def _dp4(xa, xb, q, EMU: tl.constexpr):
-    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the unsigned
-    bytes q0..q3. Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their definition."""
+def _byte(q, K: tl.constexpr, SIGNED: tl.constexpr):
+    """Byte K of int32 q, unsigned or sign-extended (the dot instructions' operand types; interpreter only)."""
+    if SIGNED:
+        return (q << (24 - 8 * K)) >> 24
+    else:
+        return (q >> (8 * K)) & 255
+
+
+@triton.jit
+def _dp4(xa, xb, q, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the bytes
+    q0..q3 (unsigned, or signed with SIGNED). Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their
+    definition."""
     if EMU:
-        return (((xa << 16) >> 16) * (q & 255) + (xa >> 16) * ((q >> 8) & 255)
-                + ((xb << 16) >> 16) * ((q >> 16) & 255) + (xb >> 16) * ((q >> 24) & 255))
+        return (((xa << 16) >> 16) * _byte(q, 0, SIGNED) + (xa >> 16) * _byte(q, 1, SIGNED)
+                + ((xb << 16) >> 16) * _byte(q, 2, SIGNED) + (xb >> 16) * _byte(q, 3, SIGNED))
+    elif SIGNED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .s32 t; dp2a.lo.s32.s32 t, $1, $3, 0; dp2a.hi.s32.s32 $0, $2, $3, t; }",
+            "=r,r,r,r", [xa, xb, q], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise(
             "{ .reg .s32 t; dp2a.lo.s32.u32 t, $1, $3, 0; dp2a.hi.s32.u32 $0, $2, $3, t; }",
@@ -94,11 +122,15 @@ def _dp4(xa, xb, q, EMU: tl.constexpr):
 
 
 @triton.jit
-def _dp4u(xu, q, EMU: tl.constexpr):
-    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and q: one PTX dp4a."""
+def _dp4u(xu, q, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and the bytes of q (unsigned, or signed
+    with SIGNED): one PTX dp4a."""
     if EMU:
-        return ((xu & 255) * (q & 255) + ((xu >> 8) & 255) * ((q >> 8) & 255)
-                + ((xu >> 16) & 255) * ((q >> 16) & 255) + ((xu >> 24) & 255) * ((q >> 24) & 255))
+        return ((xu & 255) * _byte(q, 0, SIGNED) + ((xu >> 8) & 255) * _byte(q, 1, SIGNED)
+                + ((xu >> 16) & 255) * _byte(q, 2, SIGNED) + ((xu >> 24) & 255) * _byte(q, 3, SIGNED))
+    elif SIGNED:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
+                                         is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
                                          is_pure=True, pack=1)
@@ -130,10 +162,11 @@ def _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.cons
 
 
 @triton.jit
-def _dot24(xa, xb, xu, q, EMU: tl.constexpr):
-    """sum over the T words of a thread of sum_k q_k X_k (q: 4 unsigned bytes per word) -> float32 [NB, 4, S]."""
-    hi = tl.sum(_dp4(xa, xb, q, EMU), axis=3)
-    lo = tl.sum(_dp4u(xu, q, EMU), axis=3)
+def _dot24(xa, xb, xu, q, AX: tl.constexpr, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """Sum along axis AX (a thread's words) of sum_k q_k X_k over each word's 4 bytes q_k (unsigned, or signed with
+    SIGNED) and X_k = 256 hi + lo (xa, xb: hi pairs, xu: lo bytes) -> float32, AX removed."""
+    hi = tl.sum(_dp4(xa, xb, q, SIGNED, EMU), axis=AX)
+    lo = tl.sum(_dp4u(xu, q, SIGNED, EMU), axis=AX)
     return hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
 
 
@@ -144,8 +177,8 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
     a0, b0, u0, a1, b1, u1, sx_lo, sx_hi, sum_lo, sum_hi = xt
     bo = off + (kb + tl.arange(0, NB)) * 36  # [NB]
     qs = tl.load(wp + (bo[:, None, None, None] + 4 + _cidx(T, 8)[None]), mask=ok, other=0)  # [NB, 4, S, T]
-    s_lo = _dot24(a0, b0, u0, qs & 0x0F0F0F0F, EMU)  # [NB, 4, S]
-    s_hi = _dot24(a1, b1, u1, (qs >> 4) & 0x0F0F0F0F, EMU)
+    s_lo = _dot24(a0, b0, u0, qs & 0x0F0F0F0F, 3, False, EMU)  # [NB, 4, S]
+    s_hi = _dot24(a1, b1, u1, (qs >> 4) & 0x0F0F0F0F, 3, False, EMU)
     h0 = tl.load(wp + bo, mask=ok, other=0)
     h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
     h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
@@ -161,12 +194,40 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
 
 
 @triton.jit
-def _izeros(R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
+def _i6_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB: tl.constexpr):
+    """x24 of blocks kb .. kb+NB-1 for Q6I's words [NB, 16 (sub-block s), 4 (word j)] (word j of sub-block s holds
+    weights 16s + 4j + 0..3): hi pairs (a, b), lo bytes (u), and the x scale of each sub-block [NB, 16]."""
+    blk = kb + tl.arange(0, NB)
+    s = tl.arange(0, 16)
+    xo = blk[:, None, None] * 64 + s[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    h = tl.load(xh_ptr + xo)
+    return h.to(tl.int32), (h >> 32).to(tl.int32), tl.load(xl_ptr + xo), tl.load(xs_ptr + blk[:, None] * 8 + s // 2)
+
+
+@triton.jit
+def _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexpr):
+    """One Q6I row's blocks kb..: acc [NB, 16] += d sc s_x sum (q - 32) X per sub-block. off: the row's first word
+    from wp (the int16 / int8 views hp / bp start at the same byte)."""
+    a, b, u, sx = xt
+    bo = off + (kb + tl.arange(0, NB)) * 72  # [NB] first word of each block
+    s = tl.arange(0, 16)
+    w = tl.load(wp + (bo[:, None, None] + 4 * s[None, :, None] + tl.arange(0, 4)[None, None, :]), mask=ok, other=0)
+    dots = _dot24(a, b, u, w, 2, True, EMU)  # [NB, 16]
+    d = tl.load(hp + 2 * bo + 136, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32) * scale  # [NB]
+    sc = tl.load(bp + 4 * bo[:, None] + 256 + s[None, :], mask=ok, other=0).to(tl.float32)  # [NB, 16]
+    return acc + (d[:, None] * sc * sx) * dots
+
+
+@triton.jit
+def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
     accs = ()
     accms = ()
     for _r in tl.static_range(R):
-        accs = accs + (tl.zeros([NB, 4, 8 // T], dtype=tl.float32),)
-        accms = accms + (tl.zeros([NB, 4], dtype=tl.float32),)
+        if QT == 12:
+            accs = accs + (tl.zeros([NB, 4, 8 // T], dtype=tl.float32),)
+        else:
+            accs = accs + (tl.zeros([NB, 16], dtype=tl.float32),)
+        accms = accms + (tl.zeros([NB, 4], dtype=tl.float32),)  # Q6I: unused, stays 0
     return accs, accms
 
 
@@ -176,16 +237,33 @@ def _itotal(acc, accm):
 
 
 @triton.jit
-def _irows_dot(wp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, scale, accs, accms, N_BLOCKS: tl.constexpr,
-               R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
-    """Accumulate rows row0 .. row0+R-1 (contiguous rows of 36 N_BLOCKS words from wp) against x24 over all K."""
-    SW: tl.constexpr = 36 * N_BLOCKS
+def _itotal_qt(QT: tl.constexpr, acc, accm):
+    if QT == 12:
+        v = _itotal(acc, accm)
+    else:
+        v = tl.sum(tl.sum(acc, axis=1), axis=0)
+    return v
+
+
+@triton.jit
+def _irows_dot(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, scale, accs, accms,
+               SW: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
+               EMU: tl.constexpr):
+    """Accumulate rows row0 .. row0+R-1 (contiguous rows of SW words from wp; hp / bp: int16 / int8 views from the
+    same byte) against x24 over all K."""
     for kb in range(0, N_BLOCKS, NB):
-        xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
+        if QT == 12:
+            xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
+        else:
+            xt = _i6_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB)
         new_accs = ()
         new_accms = ()
         for r in tl.static_range(R):
-            a, am = _irow_step(wp, r * SW, row0 + r < M, kb, xt, scale, accs[r], accms[r], NB, T, EMU)
+            if QT == 12:
+                a, am = _irow_step(wp, r * SW, row0 + r < M, kb, xt, scale, accs[r], accms[r], NB, T, EMU)
+            else:
+                a = _i6_step(wp, hp, bp, r * SW, row0 + r < M, kb, xt, scale, accs[r], NB, EMU)
+                am = accms[r]
             new_accs = new_accs + (a,)
             new_accms = new_accms + (am,)
         accs = new_accs
@@ -194,40 +272,58 @@ def _irows_dot(wp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, scale, accs, accms
 
 
 @triton.jit
-def _imv_kernel(w_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, N_BLOCKS: tl.constexpr, R: tl.constexpr,
-                NB: tl.constexpr, T: tl.constexpr, HAS_RES: tl.constexpr, EMU: tl.constexpr):
-    """Grid (cdiv(M, R),). w: int32 [M, 36 N_BLOCKS]; x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]);
-    res/out: f32 [M]."""
-    SW: tl.constexpr = 36 * N_BLOCKS
+def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
+                U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
+                HAS_RES: tl.constexpr, EMU: tl.constexpr):
+    """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
+    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]."""
+    SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
-    wp = w_ptr + row0.to(tl.int64) * SW
-    accs, accms = _izeros(R, NB, T)
-    accs, accms = _irows_dot(wp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, N_BLOCKS, R, NB, T, EMU)
+    start = row0.to(tl.int64) * SW
+    accs, accms = _izeros(QT, R, NB, T)
+    accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr,
+                             xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
-        v = _itotal(accs[r], accms[r])
+        v = _itotal_qt(QT, accs[r], accms[r])
         if HAS_RES:
             v += tl.load(res_ptr + row, mask=row < M, other=0.0)
         tl.store(out_ptr + row, v, mask=row < M)
 
 
 @triton.jit
+def _quantize_h_group(h_ptr, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R: tl.constexpr):
+    """After this program stored its R values of h row `sel` (from row0; f32 at h_ptr, natural order): the last of
+    the 32 / R programs of its 32-value group to arrive (an acq_rel counter after a CTA barrier; it resets the
+    counter) quantizes the group into the X24 of h [n_sel, F] (hh/hl/hs/hsum_ptr)."""
+    grp = sel * (F // 32) + row0 // 32
+    tl.debug_barrier()  # every thread's stores before the release below
+    if tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu") == 32 // R - 1:
+        hv = tl.load(h_ptr + (row0 // 32) * 32 + tl.arange(0, 32), volatile=True)
+        one = tl.arange(0, 1)
+        store_x24(tl.reshape(hv, [1, 32]), grp + one, one == 0, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, 32)
+        tl.atomic_xchg(cnt_ptr + grp, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _igate_up_kernel(wg_ptr, wu_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, ids_ptr, route_ptr, wts_ptr, E, out_ptr, F,
-                     stride_ge, stride_ue, stride_out, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                     stride_ge, stride_ue, stride_out, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr,
+                     N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                      T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
                      N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EMU: tl.constexpr):
+                     H24: tl.constexpr, EMU: tl.constexpr):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, 36 N_BLOCKS]; x24 of [K]; ids: [n_sel] (chosen here from
     the router's logits with ROUTE, as wmatvec's `_expert_id`); out: f32 [n_sel, F] (rows permuted with
-    PERM_OUT: the input of a word-kernel down product)."""
+    PERM_OUT: the input of a word-kernel down product). H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr
+    (an integer-dot down's input; `_quantize_h_group`, counters cnt [n_sel F / 32] int32 zeros, left zero)."""
     SW: tl.constexpr = 36 * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
     eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     wg = wg_ptr + eid * stride_ge + row0.to(tl.int64) * SW
     wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
-    ga, gm = _izeros(R, NB, T)
-    ua, um = _izeros(R, NB, T)
+    ga, gm = _izeros(12, R, NB, T)
+    ua, um = _izeros(12, R, NB, T)
     for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
         xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
         nga = ()
@@ -246,27 +342,30 @@ def _igate_up_kernel(wg_ptr, wu_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, ids_ptr, 
     for r in tl.static_range(R):
         _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal(ga[r], gm[r]), _itotal(ua[r], um[r]), ACT,
                  PERM_OUT)
+    if H24:
+        _quantize_h_group(out_ptr + sel * stride_out, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R)
 
 
 @triton.jit
-def _idown_kernel(w_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e,
-                  N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-                  EMU: tl.constexpr):
-    """Grid (cdiv(N, R),). w: int32 [E, N, 36 N_BLOCKS]; x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`);
-    ids/wts: [n_sel]; res/out: f32 [N]. The routing weight folded into the scales, experts summed in order."""
-    SW: tl.constexpr = 36 * N_BLOCKS
+def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
+                  stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+    """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
+    x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
+    weight folded into the scales, experts summed in order."""
+    SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
-    accs, accms = _izeros(R, NB, T)
+    accs, accms = _izeros(QT, R, NB, T)
     for i in range(N_SEL):
         eid = tl.load(ids_ptr + i).to(tl.int64)
-        wp = w_ptr + eid * stride_e + row0.to(tl.int64) * SW
-        accs, accms = _irows_dot(wp, row0, N, hh_ptr + i * (64 * N_BLOCKS), hl_ptr + i * (64 * N_BLOCKS),
-                                 hs_ptr + i * (8 * N_BLOCKS),
-                                 hsum_ptr + i * (8 * N_BLOCKS), tl.load(wts_ptr + i), accs, accms,
-                                 N_BLOCKS, R, NB, T, EMU)
+        start = eid * stride_e + row0.to(tl.int64) * SW
+        xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
+        accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N, hh_ptr + xo,
+                                 hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS), hsum_ptr + i * (8 * N_BLOCKS),
+                                 tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
-        v = _itotal(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        v = _itotal_qt(QT, accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
 
 
@@ -278,7 +377,8 @@ QUANT_BLOCK = 8  # groups of 32 per quantizer program
 # 3.62 at 2 rows (4.35 on the word kernel), gate+up 10.05 at 4 (13.22), down 8.89 at 2 (11.21), a 50304-row
 # output 23.9 at 4 (34.0)
 WORDS_PER_THREAD = 8
-ITILES = {"mv": WTile(2, 8), "mv_big": WTile(4, 8), "gate_up": WTile(4, 8), "down": WTile(2, 4)}
+ITILES = {"mv": WTile(2, 8), "mv_big": WTile(4, 8), "gate_up": WTile(4, 8), "down": WTile(2, 4),
+          "mv6": WTile(2, 4), "mv6_big": WTile(2, 4), "down6": WTile(1, 2)}  # Q6I: unmeasured, Q6B words' best
 BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES["mv_big"]
 
 
@@ -301,46 +401,81 @@ def _xviews(x: X24, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     return x.hi.view(torch.int64), x.lo.view(torch.int32), x.s, x.sum
 
 
+def takes(qtype: int, w: torch.Tensor, k: int) -> bool:
+    """Whether matrix w (raw rows of this type over K inputs) is in a layout the integer kernels read: Q4_K's rows,
+    or Q6_K's signed bytes copy (not its file's rows: where the copy did not fit, the word kernels take it)."""
+    if qtype == Q4_K:
+        return k % 256 == 0
+    return qtype == Q6_K and k % 256 == 0 and w.shape[-1] == BYTES_Q6 * (k // 256)
+
+
+def _iviews(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """(int32, int16, int8 views), words per 256 weights and the layout code of a matrix an integer kernel reads:
+    Q4_K rows (144 bytes per 256 weights), or Q6_K's signed bytes copy (`wmatvec.bytes_q6k(signed=True)`)."""
+    if qtype == Q4_K:
+        w32 = _words(w, k)
+        return (w32, w32, w32), 36, Q4_K
+    if qtype == Q6_K and w.shape[-1] == BYTES_Q6 * (k // 256) and w.is_contiguous() and w.data_ptr() % 4 == 0:
+        return (w.view(torch.int32), w.view(torch.int16), w.view(torch.int8)), BYTES_Q6 // 4, Q6I
+    raise ValueError(f"{GGMLQuantizationType(qtype).name} matrix {tuple(w.shape)} has no integer-dot kernel for "
+                     f"K = {k} (Q4_K rows, or Q6_K as `bytes_q6k(w, signed=True)`'s contiguous copy)")
+
+
 def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor | None = None,
-              *, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
-    """out[M] = W[M, K] @ x[K] (+ residual[M]) for a Q4_K matrix. w: uint8 [M, row_bytes]; x: X24 of [K]."""
+              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+    """out[M] = W[M, K] @ x[K] (+ residual[M]). w: uint8 [M, row_bytes], a Q4_K matrix or (qtype Q6_K) the signed
+    bytes copy of one; x: X24 of [K]; out/residual: f32 [M] (out may be residual). Returns out."""
     m, k = w.shape[0], x.hi.shape[-1]
-    t = wtile_for("mv", m, k, m, w.device, tile or ITILES["mv_big" if m >= BIG_ROWS else "mv"])
+    views, units, qt = _iviews(qtype, w, k)
+    big = "_big" if m >= BIG_ROWS else ""
+    t = wtile_for("mv", m, k, m, w.device, tile or ITILES[("mv" if qt == Q4_K else "mv6") + big])
     _imv_kernel[(triton.cdiv(m, t.rows),)](
-        _words(w, k), *_xviews(x, k), out if residual is None else residual, out, m,
-        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
+        *views, *_xviews(x, k), out if residual is None else residual, out, m,
+        QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
                   act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
-                  route: Route | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+                  route: Route | None = None, h_out: X24 | None = None, counters: torch.Tensor | None = None,
+                  words: int = WORDS_PER_THREAD) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts. w_*: uint8 [E, F, row_bytes];
     x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out: f32 [n_sel, F],
-    rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0)."""
+    rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out quantized (X24 of
+    [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left zero)."""
     f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile or ITILES["gate_up"])
+    if h_out is not None:
+        if perm_out or f % 32 or 32 % t.rows or counters is None or counters.numel() < n_sel * f // 32:
+            raise ValueError(f"h_out needs natural-order rows, F % 32 == 0 (F = {f}), rows per program dividing 32 "
+                             f"({t.rows}) and n_sel F / 32 = {n_sel * f // 32} int32 counters")
+        _xviews(h_out, f)  # checks its shape and alignment (the down kernel's views)
+        hargs = (*h_out, counters)  # stored as int16 / uint8 values
+    else:
+        hargs = (out,) * 5
     wg, wu = _words(w_gate, k), _words(w_up, k)
     rargs, rconst = _route_args(route, ids)
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        wg, wu, *_xviews(x, k), ids, *rargs, out, f, wg.stride(0), wu.stride(0), out.stride(0),
+        wg, wu, *_xviews(x, k), ids, *rargs, out, f, wg.stride(0), wu.stride(0), out.stride(0), *hargs,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
-        EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
+        H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
-               out: torch.Tensor, *, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
-    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K experts, summed in order.
-    w_down: uint8 [E, N, row_bytes]; h: X24 of [n_sel, F]; ids / weights: [n_sel]; residual / out: f32 [N]."""
+               out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
+               words: int = WORDS_PER_THREAD) -> torch.Tensor:
+    """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
+    [E, N, row_bytes], Q4_K or (qtype Q6_K) the signed bytes copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
+    residual / out: f32 [N] (out may be residual). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
-    t = wtile_for("down", n, f, n, w_down.device, tile or ITILES["down"])
-    ww = _words(w_down, f)
+    views, units, qt = _iviews(qtype, w_down, f)
+    t = wtile_for("down", n, f, n, w_down.device, tile or ITILES["down" if qt == Q4_K else "down6"])
     _idown_kernel[(triton.cdiv(n, t.rows),)](
-        ww, *_xviews(h, f), ids, weights, residual, out, n, ww.stride(0),
-        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
+        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out

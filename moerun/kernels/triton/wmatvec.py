@@ -707,10 +707,11 @@ def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...
     return views, stride_e, size // unit, Q6B if size == BYTES_Q6 else qtype
 
 
-def bytes_q6k(w: torch.Tensor, chunk_blocks: int = 1 << 18) -> torch.Tensor:
+def bytes_q6k(w: torch.Tensor, chunk_blocks: int = 1 << 18, signed: bool = False) -> torch.Tensor:
     """Q6_K rows uint8 [..., 210 n] -> the Q6B copy uint8 [..., 288 n] (layout above BYTES_Q6): each 6-bit value
     in a byte of its own, in weight order, then the block's scales and d. The same values (dequantized: d sc
-    (q - 32)), 1.37x the bytes; converted `chunk_blocks` blocks at a time (int32 temporaries)."""
+    (q - 32)), 1.37x the bytes; converted `chunk_blocks` blocks at a time (int32 temporaries). signed: the bytes
+    hold q - 32 as int8 (the integer-dot kernels' layout, imatvec.Q6I: dequantized d sc byte)."""
     if w.shape[-1] % ROW_BYTES[Q6_K]:
         raise ValueError(f"Q6_K rows must be whole 210-byte blocks, got rows of {w.shape[-1]} bytes")
     blocks = w.reshape(-1, ROW_BYTES[Q6_K])  # [n, 210]
@@ -722,7 +723,7 @@ def bytes_q6k(w: torch.Tensor, chunk_blocks: int = 1 << 18) -> torch.Tensor:
         lo, hi = ql & 15, ql >> 4
         q = torch.stack([lo[..., :32] | (qh & 3) << 4, lo[..., 32:] | (qh >> 2 & 3) << 4,
                          hi[..., :32] | (qh >> 4 & 3) << 4, hi[..., 32:] | (qh >> 6 & 3) << 4], dim=2)  # [n, 2, 4, 32]
-        out[i:i + chunk_blocks, :256] = q.reshape(-1, 256).to(torch.uint8)
+        out[i:i + chunk_blocks, :256] = ((q - 32) & 255 if signed else q).reshape(-1, 256).to(torch.uint8)
         out[i:i + chunk_blocks, 256:274] = b[:, 192:210]  # scales, d
     return out.reshape(*w.shape[:-1], -1)
 
