@@ -119,7 +119,8 @@ class FastDecoder:
             d: dict[str, Any] = {k: L[k] for k in L if isinstance(L[k], torch.Tensor)}  # norms, router
             for k in ("attn_q", "attn_k", "attn_v"):
                 d[k] = _mat(L[k])
-            d["attn_output"] = self._repack("mv", _mat(L["attn_output"]))
+            # attn_output reads the attention's quantized output only where its heads split into 32-value groups
+            d["attn_output"] = self._repack("mv", _mat(L["attn_output"]), ints=self.cfg.head_dim_v % 32 == 0)
             d["qkv_runs"] = [(self._repack("mv", m), a, b) for m, a, b in _fuse_runs([L["attn_q"], L["attn_k"],
                                                                                        L["attn_v"]])]
             if d["qkv_runs"][-1][2] != self.qkv.numel():
@@ -136,13 +137,20 @@ class FastDecoder:
             if gate.qtype == up.qtype:  # one gate/up launch reads both: the same layout, or neither copied
                 g2, u2 = self._repack("gate_up", gate), self._repack("gate_up", up)
                 d["ffn_gate_exps"], d["ffn_up_exps"] = (g2, u2) if (g2 is gate) == (u2 is up) else (gate, up)
-            d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"])
+            # down reads h quantized only from the integer gate/up (`_layer`): its matrix in the integer layout
+            # only then
+            d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"], ints=self._int_gate_up(gate, up))
             self.layers.append(d)
 
-    def _repack(self, kind: str, m: _Mat) -> _Mat:
-        """m in the layout the ops' product `kind` reads (`ops.repack`: a load-time copy, or m itself)."""
-        raw = self.ops.repack(m.qtype, kind, m.raw)
+    def _repack(self, kind: str, m: _Mat, ints: bool = True) -> _Mat:
+        """m in the layout the ops' product `kind` reads (`ops.repack`: a load-time copy, or m itself); ints=False:
+        the step will not give this product a quantized x, so not the integer kernels' layout."""
+        raw = self.ops.repack(m.qtype, kind, m.raw, ints=ints)
         return m if raw is m.raw else _Mat(raw, m.qtype, m.name)
+
+    def _int_gate_up(self, g: _Mat, u: _Mat) -> bool:
+        """Whether gate/up runs on the integer kernels (and so can write h quantized for down)."""
+        return g.qtype == u.qtype and self.ops.ints(g.qtype, self.cfg.n_embd, "gate_up")
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -193,7 +201,7 @@ class FastDecoder:
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         xp = self._perm("gate_up", g, u)
-        x24 = self._x24("gate_up", g) if g.qtype == u.qtype else None
+        x24 = self.x24 if self._int_gate_up(g, u) else None
         route = None
         if cfg.is_moe:  # norm + the router's logits; gate/up chooses the experts from them (ids, route_w)
             ops.norm_router(self.x, L["ffn_norm"], cfg.rms_eps, L["ffn_gate_inp"], self.router_logits, self.xn, xp,

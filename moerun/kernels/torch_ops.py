@@ -89,7 +89,7 @@ class TorchOps:
         return False
 
     @staticmethod
-    def repack(qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
+    def repack(qtype: int, kind: str, w: torch.Tensor, ints: bool = True) -> torch.Tensor:
         """The rows product `kind` reads for matrix w: the file's own, here."""
         return w
 

@@ -71,15 +71,18 @@ class TritonOps:
         """Whether products of this type over K inputs (of `kind`) run on the integer-dot kernels (x24 input)."""
         return self.use_ints and ik.supports(qtype, k, kind)
 
-    def repack(self, qtype: int, kind: str, w: torch.Tensor) -> torch.Tensor:
-        """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): wmatvec.PAD's
-        copy where a word kernel takes it and PAD says that is faster (Q6_K: 1.37x the bytes; the file's rows stay
-        for prefill and the reference path), else w itself."""
+    def repack(self, qtype: int, kind: str, w: torch.Tensor, ints: bool = True) -> torch.Tensor:
+        """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): the integer
+        kernels' copy where they take the product (Q6_K: signed bytes), else wmatvec.PAD's copy where a word kernel
+        takes it and PAD says that is faster (Q6_K: 1.37x the bytes; the file's rows stay for prefill and the
+        reference path), else w itself. ints=False: the caller will not pass x quantized to this product (e.g. a
+        down whose gate/up is not on the integer kernels), so never the integer layout (the word kernels would
+        misread it)."""
         copy = wk.PAD.get((kind, qtype)) if self.words and self.pad else None
         if copy is None:
             return w
         k = w.shape[-1] // wk.ROW_BYTES[qtype] * 256
-        if self.ints(qtype, k, kind) and qtype == ik.Q6_K:
+        if ints and self.ints(qtype, k, kind) and qtype == ik.Q6_K:
             copy = partial(wk.bytes_q6k, signed=True)  # the integer kernel's layout (imatvec.Q6I)
         elif not wk.supports(qtype, k, kind, w.shape[-2]):
             return w

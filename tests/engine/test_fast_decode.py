@@ -200,3 +200,28 @@ def test_repack_falls_back_when_memory_is_short(monkeypatch: pytest.MonkeyPatch)
         assert ops.repack(14, "mv", w) is w
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 34, 1 << 34))
     assert ops.repack(14, "mv", w).shape == (2048, 8 * 288)
+
+
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q6_k"])
+def test_q6k_layout_follows_the_input(ftype: str, tmp_path: Path) -> None:
+    """A Q6_K matrix is copied into the integer kernels' signed bytes only where the step gives its product a
+    quantized x: always for the matvecs (output, attn_v: RMSNorm writes it), for down only behind an integer gate/up
+    (Q4_K_M's Q4_K gate/up: yes; a Q6_K file's gate/up runs on the word kernels: no, so its down keeps the word
+    kernels' unsigned copy, which they read). Load-time only: no kernel runs."""
+    from moerun.kernels.triton import wmatvec as wk
+    from moerun.synth import synthesize
+
+    path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
+    synthesize("tiny-olmoe-1b-7b", ftype, path, progress=False)
+    eng = Engine(path, device="cpu", dtype="float32", kv_dtype="float32", fast=True, ops="triton", graph=False)
+    int_down = ftype == "q4_k_m"
+    downs = [(L["ffn_down_exps"], W["ffn_down_exps"]) for L, W in zip(eng.fast.layers, eng.weights.layers,
+                                                                      strict=True)]
+    downs = [(m, w) for m, w in downs if m.qtype == 14]
+    assert downs
+    for m, w in downs:
+        assert torch.equal(m.raw, wk.bytes_q6k(w.raw, signed=int_down))
+    out = eng.weights.globals.get("output", eng.weights.globals["token_embd"])
+    if int(out.qtype.ggml) == 14:
+        assert torch.equal(eng.fast.out_mat.raw, wk.bytes_q6k(out.raw.reshape(eng.fast.out_mat.raw.shape[0], -1),
+                                                              signed=True))
