@@ -28,8 +28,10 @@ KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": 
            "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel", "mv6b": "_wmvx_kernel",
            "down6b": "_wdownx_kernel"}  # mv6 / down6: Q6_K; *6b: Q6_K on `bytes_q6k`'s copy; *8: Q8_0;
 # gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
-IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "igate_up": "_igate_up_kernel",
-            "idown": "_idown_kernel"}  # imatvec.py (Q4_K; imv6: Q6_K on its signed bytes copy)
+IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "imv8": "_imv_kernel", "igate_up": "_igate_up_kernel",
+            "igate_up6": "_igate_up_kernel", "igate_up8": "_igate_up_kernel", "idown": "_idown_kernel",
+            "idown6": "_idown_kernel", "idown8": "_idown_kernel"}  # imatvec.py (Q4_K; *6 / *8: Q6_K / Q8_0 copies)
+ITYPES = {"6": 14, "8": 8}
 WORDS = ik.WORDS_PER_THREAD
 
 
@@ -60,18 +62,23 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     setattr(mod, name, rec)
     ids = torch.arange(TOPK, dtype=torch.int32)
     try:
-        if kind == "imv":
-            ik.qmatvec_i(_q4k(N, N), ik.empty_x24((N,), torch.device("cpu")), torch.empty(N), tile=tile, words=WORDS)
-        elif kind == "imv6":
-            ik.qmatvec_i(wk.bytes_q6k(_q6k(N, N), signed=True), ik.empty_x24((N,), torch.device("cpu")), torch.empty(N),
-                         qtype=14, tile=tile)
-        elif kind == "igate_up":
-            w = _q4k(E, F, N)
-            ik.moe_gate_up_i(w, w, ik.empty_x24((N,), torch.device("cpu")), ids, torch.empty(TOPK, F), tile=tile,
-                             words=WORDS)
-        elif kind == "idown":
-            ik.moe_down_i(_q4k(E, N, F), ik.empty_x24((TOPK, F), torch.device("cpu")), ids, torch.ones(TOPK),
-                          torch.zeros(N), torch.empty(N), tile=tile, words=WORDS)
+        if kind in IKERNELS:
+            qt = ITYPES.get(kind[-1], 12)
+            cpu = torch.device("cpu")
+
+            def w(*lead_k: int) -> torch.Tensor:  # in the layout the integer kernels read
+                raw = {12: _q4k, 14: _q6k, 8: _q80}[qt](*lead_k)
+                return raw if qt == 12 else ik.COPIES[qt](raw)
+
+            if kind.startswith("imv"):
+                ik.qmatvec_i(w(N, N), ik.empty_x24((N,), cpu), torch.empty(N), qtype=qt, tile=tile, words=WORDS)
+            elif kind.startswith("igate_up"):
+                wg = w(E, F, N)
+                ik.moe_gate_up_i(wg, wg, ik.empty_x24((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
+                                 words=WORDS)
+            else:
+                ik.moe_down_i(w(E, N, F), ik.empty_x24((TOPK, F), cpu), ids, torch.ones(TOPK), torch.zeros(N),
+                              torch.empty(N), qtype=qt, tile=tile, words=WORDS)
         elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":

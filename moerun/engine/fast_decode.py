@@ -137,9 +137,12 @@ class FastDecoder:
             if gate.qtype == up.qtype:  # one gate/up launch reads both: the same layout, or neither copied
                 g2, u2 = self._repack("gate_up", gate), self._repack("gate_up", up)
                 d["ffn_gate_exps"], d["ffn_up_exps"] = (g2, u2) if (g2 is gate) == (u2 is up) else (gate, up)
-            # down reads h quantized only from the integer gate/up (`_layer`): its matrix in the integer layout
-            # only then
-            d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"], ints=self._int_gate_up(gate, up))
+            g2, u2, n = d["ffn_gate_exps"], d["ffn_up_exps"], self.cfg.n_embd
+            # gate/up on the integer kernels (both matrices in their layout) writes h quantized for down; down's
+            # matrix goes into the integer layout only then
+            d["int_gate_up"] = g2.qtype == u2.qtype and all(self.ops.ints_take(m.qtype, "gate_up", m.raw, n)
+                                                            for m in (g2, u2))
+            d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"], ints=d["int_gate_up"])
             self.layers.append(d)
 
     def _repack(self, kind: str, m: _Mat, ints: bool = True) -> _Mat:
@@ -148,9 +151,6 @@ class FastDecoder:
         raw = self.ops.repack(m.qtype, kind, m.raw, ints=ints)
         return m if raw is m.raw else _Mat(raw, m.qtype, m.name)
 
-    def _int_gate_up(self, g: _Mat, u: _Mat) -> bool:
-        """Whether gate/up runs on the integer kernels (and so can write h quantized for down)."""
-        return g.qtype == u.qtype and self.ops.ints(g.qtype, self.cfg.n_embd, "gate_up")
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class FastDecoder:
 
         g, u, d = L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]
         xp = self._perm("gate_up", g, u)
-        x24 = self.x24 if self._int_gate_up(g, u) else None
+        x24 = self.x24 if L["int_gate_up"] else None
         route = None
         if cfg.is_moe:  # norm + the router's logits; gate/up chooses the experts from them (ids, route_w)
             ops.norm_router(self.x, L["ffn_norm"], cfg.rms_eps, L["ffn_gate_inp"], self.router_logits, self.xn, xp,

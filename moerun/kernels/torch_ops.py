@@ -89,6 +89,11 @@ class TorchOps:
         return False
 
     @staticmethod
+    def ints_take(qtype: int, kind: str, w: torch.Tensor, k: int) -> bool:
+        """Whether product `kind` of matrix w over K inputs runs on the integer kernels (never, here)."""
+        return False
+
+    @staticmethod
     def repack(qtype: int, kind: str, w: torch.Tensor, ints: bool = True) -> torch.Tensor:
         """The rows product `kind` reads for matrix w: the file's own, here."""
         return w

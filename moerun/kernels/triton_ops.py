@@ -8,10 +8,9 @@ A weight type without a fused kernel falls back to TorchOps (visible in `paths`)
 from __future__ import annotations
 
 import warnings
-from functools import partial
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
@@ -71,6 +70,10 @@ class TritonOps:
         """Whether products of this type over K inputs (of `kind`) run on the integer-dot kernels (x24 input)."""
         return self.use_ints and ik.supports(qtype, k, kind)
 
+    def ints_take(self, qtype: int, kind: str, w: torch.Tensor, k: int) -> bool:
+        """Whether product `kind` of matrix w (as `repack` returned it) over K inputs runs on the integer kernels."""
+        return self.ints(qtype, k, kind) and ik.takes(qtype, w, k)
+
     def repack(self, qtype: int, kind: str, w: torch.Tensor, ints: bool = True) -> torch.Tensor:
         """The rows this ops' product `kind` reads for a matrix (raw uint8 [..., M, row_bytes]): the integer
         kernels' copy where they take the product (Q6_K: signed bytes), else wmatvec.PAD's copy where a word kernel
@@ -78,13 +81,15 @@ class TritonOps:
         reference path), else w itself. ints=False: the caller will not pass x quantized to this product (e.g. a
         down whose gate/up is not on the integer kernels), so never the integer layout (the word kernels would
         misread it)."""
-        copy = wk.PAD.get((kind, qtype)) if self.words and self.pad else None
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        k = w.shape[-1] // size * block
+        if ints and self.ints(qtype, k, kind):
+            copy = ik.COPIES.get(qtype)  # the integer kernels' layout (Q4_K: its own rows)
+        elif self.words and self.pad and wk.supports(qtype, k, kind, w.shape[-2]):
+            copy = wk.PAD.get((kind, qtype))
+        else:
+            copy = None
         if copy is None:
-            return w
-        k = w.shape[-1] // wk.ROW_BYTES[qtype] * 256
-        if ints and self.ints(qtype, k, kind) and qtype == ik.Q6_K:
-            copy = partial(wk.bytes_q6k, signed=True)  # the integer kernel's layout (imatvec.Q6I)
-        elif not wk.supports(qtype, k, kind, w.shape[-2]):
             return w
         if w.is_cuda and torch.cuda.mem_get_info(w.device)[0] < 1.5 * w.nbytes + REPACK_RESERVE:
             if not self._repack_warned:
@@ -118,10 +123,11 @@ class TritonOps:
         if route is not None and route.logits.shape[-1] > dk.ROUTE_MAX_E:  # too many experts to rank in gate/up
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             route = None
-        if x24 is not None and qtype_gate == qtype_up and self.ints(qtype_gate, k, "gate_up"):
+        if (x24 is not None and qtype_gate == qtype_up and self.ints(qtype_gate, k, "gate_up")
+                and ik.takes(qtype_gate, w_gate, k) and ik.takes(qtype_up, w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt)
+                                    counters=cnt, qtype=qtype_gate)
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):

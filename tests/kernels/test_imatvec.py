@@ -23,7 +23,14 @@ from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import imatvec as ik  # noqa: E402
 from moerun.kernels.triton import wmatvec as wk  # noqa: E402
 
-Q4_K, Q6_K = int(T.Q4_K), int(T.Q6_K)
+Q8_0, Q4_K, Q6_K = int(T.Q8_0), int(T.Q4_K), int(T.Q6_K)
+
+
+def _iweights(qtype: int, lead: tuple[int, ...], k: int, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights in the layout the integer kernels read (Q4_K's rows; Q6_K / Q8_0 through imatvec.COPIES) and
+    their float64 values."""
+    raw, dense = quant_weights(qtype, lead, k, gen, device)
+    return (raw if qtype == Q4_K else ik.COPIES[qtype](raw)), dense
 X_TOL = 2e-5  # against the unquantized x
 TILES = [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(2, 4, 2, 2)]
 
@@ -86,35 +93,47 @@ def test_bytes_q6k_signed_exact(device, rng) -> None:
 
 @pytest.mark.parametrize("tile", [None, wk.WTile(1, 1), wk.WTile(4, 2, 1, 1), wk.WTile(2, 4, 2, 2)], ids=str)
 @pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
-def test_qmatvec_i_q6k(m, n_sb, res, tile, device, rng) -> None:
-    """Q6_K through its signed bytes copy (imatvec.Q6I)."""
+@pytest.mark.parametrize("qtype", [Q6_K, Q8_0])
+def test_qmatvec_i_bytes(qtype, m, n_sb, res, tile, device, rng) -> None:
+    """Q6_K and Q8_0 through their byte copies (imatvec.Q6I, Q8I)."""
     gen, seed = rng
     k = 256 * n_sb
-    raw, dense = quant_weights(Q6_K, (m,), k, gen, device)
-    w = wk.bytes_q6k(raw, signed=True)
-    assert ik.takes(Q6_K, w, k) and not ik.takes(Q6_K, raw, k)
+    raw, dense = quant_weights(qtype, (m,), k, gen, device)
+    w = ik.COPIES[qtype](raw)
+    assert ik.takes(qtype, w, k) and not ik.takes(qtype, raw, k)
     xq, xd = _x24(vec(gen, k), device)
     out = torch.full((m,), float("nan"), device=device)
     r = vec(gen, m) if res else torch.zeros(m)
     if res:
         out.copy_(r.to(device))
-    ik.qmatvec_i(w, xq, out, out if res else None, qtype=Q6_K, tile=tile)
+    ik.qmatvec_i(w, xq, out, out if res else None, qtype=qtype, tile=tile)
     check_bound(out, dense @ xd + r.double(), dense.abs() @ xd.abs() + r.double().abs(), seed,
-                f"Q6_K imatvec M={m} K={k} tile={tile}")
+                f"{T(qtype).name} imatvec M={m} K={k} tile={tile}")
+
+
+def test_bytes_q8_0_exact(device, rng) -> None:
+    """The Q8I copy (256 bytes, then the 8 scales as float32) holds gguf's values exactly."""
+    gen, _ = rng
+    raw, dense = quant_weights(Q8_0, (3,), 512, gen, device)
+    c = ik.bytes_q8_0(raw.cpu()).reshape(3, 2, ik.BYTES_Q8I)
+    q = c[..., :256].view(torch.int8).double()
+    d = c[..., 256:].contiguous().view(torch.float32).double()  # [3, 2, 8]
+    assert torch.equal((d.repeat_interleave(32, -1) * q).reshape(3, 512), dense)
 
 
 def test_qmatvec_i_rejects_file_rows(device) -> None:
     w = torch.zeros(4, 210, dtype=torch.uint8, device=device)
-    with pytest.raises(ValueError, match="Q6_K matrix .* no integer-dot kernel"):
+    with pytest.raises(ValueError, match="Q6_K matrix .* no integer-dot kernel"):  # the file's rows
         ik.qmatvec_i(w, ik.empty_x24((256,), device), torch.empty(4, device=device), qtype=Q6_K)
 
 
-@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)], ids=str)
-def test_moe_gate_up_i(tile, words, device, rng) -> None:
+@pytest.mark.parametrize("qtype,tile,words", [(Q4_K, t, ik.WORDS_PER_THREAD) for t in TILES] + [(Q4_K, None, 4)]
+                         + [(q, t, 8) for q in (Q6_K, Q8_0) for t in (None, wk.WTile(1, 1))], ids=str)
+def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
     gen, seed = rng
     e, f, k = 5, 37, 768
-    wg, dg = quant_weights(Q4_K, (e, f), k, gen, device)
-    wu, du = quant_weights(Q4_K, (e, f), k, gen, device)
+    wg, dg = _iweights(qtype, (e, f), k, gen, device)
+    wu, du = _iweights(qtype, (e, f), k, gen, device)
     xq, xd = _x24(vec(gen, k), device)
     for ids_list, act, dtype in [([4, 1, 4], "silu", torch.int64), ([2], "gelu_tanh", torch.int32)]:
         ids = torch.tensor(ids_list, dtype=dtype)
@@ -122,8 +141,8 @@ def test_moe_gate_up_i(tile, words, device, rng) -> None:
         a = ACTIVATIONS[act](g)
         bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
         out = torch.full((len(ids_list), f), float("nan"), device=device)
-        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), out, act, tile=tile, words=words)
-        check_bound(out, a * u, bound, seed, f"Q4_K igate_up ids={ids_list} {act} tile={tile} words={words}")
+        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), out, act, tile=tile, words=words, qtype=qtype)
+        check_bound(out, a * u, bound, seed, f"{T(qtype).name} igate_up ids={ids_list} {act} tile={tile}")
 
 
 @pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
@@ -160,12 +179,12 @@ def test_moe_gate_up_i_h_out_checked(device) -> None:
 
 
 @pytest.mark.parametrize("tile", [None, wk.WTile(1, 1), wk.WTile(2, 2, 1, 1)], ids=str)
-def test_moe_down_i_q6k(tile, device, rng) -> None:
-    """Q6_K experts through their signed bytes copy."""
+@pytest.mark.parametrize("qtype", [Q6_K, Q8_0])
+def test_moe_down_i_bytes(qtype, tile, device, rng) -> None:
+    """Q6_K and Q8_0 experts through their byte copies."""
     gen, seed = rng
     e, n, f = 4, 37, 512
-    w, dw = quant_weights(Q6_K, (e, n), f, gen, device)
-    w = wk.bytes_q6k(w, signed=True)
+    w, dw = _iweights(qtype, (e, n), f, gen, device)
     ids = torch.tensor([2, 0, 2], dtype=torch.int32)
     hq, hd = _x24(vec(gen, 3, f), device)
     wts = torch.from_numpy(gen.uniform(0.05, 1.0, 3).astype(np.float32))
@@ -173,8 +192,8 @@ def test_moe_down_i_q6k(tile, device, rng) -> None:
     ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
     bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
     out = r.to(device)
-    ik.moe_down_i(w, hq, ids.to(device), wts.to(device), out, out, qtype=Q6_K, tile=tile)
-    check_bound(out, ref, bound, seed, f"Q6_K idown tile={tile}")
+    ik.moe_down_i(w, hq, ids.to(device), wts.to(device), out, out, qtype=qtype, tile=tile)
+    check_bound(out, ref, bound, seed, f"{T(qtype).name} idown tile={tile}")
 
 
 @pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)], ids=str)

@@ -27,6 +27,7 @@ to run.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import triton
@@ -45,12 +46,17 @@ from moerun.kernels.triton.wmatvec import (
     _scale_min,
     _store_h,
     _words,
+    bytes_q6k,
     wtile_for,
 )
 
-Q4_K, Q6_K = 12, 14
+Q8_0, Q4_K, Q6_K = 8, 12, 14
 Q6I = 2014  # layout code: Q6_K as signed bytes q - 32 (`wmatvec.bytes_q6k(signed=True)`)
-INT_KINDS = {Q4_K: ("mv", "gate_up", "down"), Q6_K: ("mv", "down")}  # the products with an integer kernel
+Q8I = 2008  # layout code: Q8_0 as 256 bytes then the 8 scales as float32 per 256 weights (`bytes_q8_0`)
+BYTES_Q8I = 288
+# per type: (the kernels' layout code, bytes per 256 weights in it); Q6_K and Q8_0 from a load-time copy (COPIES)
+LAYOUTS = {Q4_K: (Q4_K, 144), Q6_K: (Q6I, BYTES_Q6), Q8_0: (Q8I, BYTES_Q8I)}
+INT_KINDS = {t: ("mv", "gate_up", "down") for t in LAYOUTS}  # the products with an integer kernel
 INT_TYPES = tuple(INT_KINDS)
 X_GROUP = 32  # x values per scale
 X_MAX = 8388607.0  # 2^23 - 1
@@ -194,9 +200,10 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
 
 
 @triton.jit
-def _i6_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB: tl.constexpr):
-    """x24 of blocks kb .. kb+NB-1 for Q6I's words [NB, 16 (sub-block s), 4 (word j)] (word j of sub-block s holds
-    weights 16s + 4j + 0..3): hi pairs (a, b), lo bytes (u), and the x scale of each sub-block [NB, 16]."""
+def _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB: tl.constexpr):
+    """x24 of blocks kb .. kb+NB-1 for the byte layouts' words (Q6I, Q8I) [NB, 16 (s), 4 (word j)] (word j of
+    16-weight run s holds weights 16s + 4j + 0..3): hi pairs (a, b), lo bytes (u), and the x scale of each run
+    [NB, 16]."""
     blk = kb + tl.arange(0, NB)
     s = tl.arange(0, 16)
     xo = blk[:, None, None] * 64 + s[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
@@ -219,6 +226,41 @@ def _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.
 
 
 @triton.jit
+def _i8_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexpr):
+    """One Q8I row's blocks kb..: acc [NB, 16] += d s_x sum q X per 16 weights (d: their Q8_0 block's scale, as
+    float32 after the 256 bytes). off: the row's first word from wp."""
+    a, b, u, sx = xt
+    bo = off + (kb + tl.arange(0, NB)) * 72  # [NB] first word of each 256-weight group
+    s = tl.arange(0, 16)
+    w = tl.load(wp + (bo[:, None, None] + 4 * s[None, :, None] + tl.arange(0, 4)[None, None, :]), mask=ok, other=0)
+    dots = _dot24(a, b, u, w, 2, True, EMU)  # [NB, 16]
+    d = tl.load(wp + (bo[:, None] + 64 + s[None, :] // 2), mask=ok, other=0).to(tl.float32, bitcast=True)
+    return acc + (d * scale * sx) * dots
+
+
+@triton.jit
+def _itiles(QT: tl.constexpr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.constexpr):
+    if QT == 12:
+        xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
+    else:
+        xt = _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB)
+    return xt
+
+
+@triton.jit
+def _istep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr,
+           EMU: tl.constexpr):
+    """One row's step in layout QT (Q4_K: 12, Q6I: 2014, Q8I: 2008) -> (acc, accm)."""
+    if QT == 12:
+        acc, accm = _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB, T, EMU)
+    elif QT == 2014:
+        acc = _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, EMU)
+    else:
+        acc = _i8_step(wp, off, ok, kb, xt, scale, acc, NB, EMU)
+    return acc, accm
+
+
+@triton.jit
 def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
     accs = ()
     accms = ()
@@ -227,7 +269,7 @@ def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr
             accs = accs + (tl.zeros([NB, 4, 8 // T], dtype=tl.float32),)
         else:
             accs = accs + (tl.zeros([NB, 16], dtype=tl.float32),)
-        accms = accms + (tl.zeros([NB, 4], dtype=tl.float32),)  # Q6I: unused, stays 0
+        accms = accms + (tl.zeros([NB, 4], dtype=tl.float32),)  # Q6I, Q8I: unused, stays 0
     return accs, accms
 
 
@@ -252,18 +294,11 @@ def _irows_dot(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xs
     """Accumulate rows row0 .. row0+R-1 (contiguous rows of SW words from wp; hp / bp: int16 / int8 views from the
     same byte) against x24 over all K."""
     for kb in range(0, N_BLOCKS, NB):
-        if QT == 12:
-            xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
-        else:
-            xt = _i6_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB)
+        xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
         new_accs = ()
         new_accms = ()
         for r in tl.static_range(R):
-            if QT == 12:
-                a, am = _irow_step(wp, r * SW, row0 + r < M, kb, xt, scale, accs[r], accms[r], NB, T, EMU)
-            else:
-                a = _i6_step(wp, hp, bp, r * SW, row0 + r < M, kb, xt, scale, accs[r], NB, EMU)
-                am = accms[r]
+            a, am = _istep(QT, wp, hp, bp, r * SW, row0 + r < M, kb, xt, scale, accs[r], accms[r], NB, T, EMU)
             new_accs = new_accs + (a,)
             new_accms = new_accms + (am,)
         accs = new_accs
@@ -306,42 +341,45 @@ def _quantize_h_group(h_ptr, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt
 
 
 @triton.jit
-def _igate_up_kernel(wg_ptr, wu_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, ids_ptr, route_ptr, wts_ptr, E, out_ptr, F,
-                     stride_ge, stride_ue, stride_out, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr,
-                     N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-                     T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
-                     N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                     H24: tl.constexpr, EMU: tl.constexpr):
-    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, 36 N_BLOCKS]; x24 of [K]; ids: [n_sel] (chosen here from
-    the router's logits with ROUTE, as wmatvec's `_expert_id`); out: f32 [n_sel, F] (rows permuted with
-    PERM_OUT: the input of a word-kernel down product). H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr
-    (an integer-dot down's input; `_quantize_h_group`, counters cnt [n_sel F / 32] int32 zeros, left zero)."""
-    SW: tl.constexpr = 36 * N_BLOCKS
+def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, ids_ptr,
+                     route_ptr, wts_ptr, E, out_ptr, F, stride_ge, stride_ue, stride_out, hh_ptr, hl_ptr, hs_ptr,
+                     hsum_ptr, cnt_ptr, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr,
+                     NB: tl.constexpr, T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr,
+                     ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr):
+    """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
+    strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
+    `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
+    H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
+    counters cnt [n_sel F / 32] int32 zeros, left zero)."""
+    SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
     eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
-    wg = wg_ptr + eid * stride_ge + row0.to(tl.int64) * SW
-    wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
-    ga, gm = _izeros(12, R, NB, T)
-    ua, um = _izeros(12, R, NB, T)
+    gs = eid * stride_ge + row0.to(tl.int64) * SW
+    us = eid * stride_ue + row0.to(tl.int64) * SW
+    wg, wg16, wg8 = wg_ptr + gs, wg16_ptr + 2 * gs, wg8_ptr + 4 * gs
+    wu, wu16, wu8 = wu_ptr + us, wu16_ptr + 2 * us, wu8_ptr + 4 * us
+    ga, gm = _izeros(QT, R, NB, T)
+    ua, um = _izeros(QT, R, NB, T)
     for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
-        xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
+        xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
         nga = ()
         ngm = ()
         nua = ()
         num = ()
         for r in tl.static_range(R):
             ok = row0 + r < F
-            a, am = _irow_step(wg, r * SW, ok, kb, xt, 1.0, ga[r], gm[r], NB, T, EMU)
+            a, am = _istep(QT, wg, wg16, wg8, r * SW, ok, kb, xt, 1.0, ga[r], gm[r], NB, T, EMU)
             nga = nga + (a,)
             ngm = ngm + (am,)
-            a, am = _irow_step(wu, r * SW, ok, kb, xt, 1.0, ua[r], um[r], NB, T, EMU)
+            a, am = _istep(QT, wu, wu16, wu8, r * SW, ok, kb, xt, 1.0, ua[r], um[r], NB, T, EMU)
             nua = nua + (a,)
             num = num + (am,)
         ga, gm, ua, um = nga, ngm, nua, num
     for r in tl.static_range(R):
-        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal(ga[r], gm[r]), _itotal(ua[r], um[r]), ACT,
-                 PERM_OUT)
+        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal_qt(QT, ga[r], gm[r]), _itotal_qt(QT, ua[r], um[r]),
+                 ACT, PERM_OUT)
     if H24:
         _quantize_h_group(out_ptr + sel * stride_out, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R)
 
@@ -377,9 +415,12 @@ QUANT_BLOCK = 8  # groups of 32 per quantizer program
 # 3.62 at 2 rows (4.35 on the word kernel), gate+up 10.05 at 4 (13.22), down 8.89 at 2 (11.21), a 50304-row
 # output 23.9 at 4 (34.0)
 WORDS_PER_THREAD = 8
-ITILES = {"mv": WTile(2, 8), "mv_big": WTile(4, 8), "gate_up": WTile(4, 8), "down": WTile(2, 4),
-          "mv6": WTile(2, 4), "mv6_big": WTile(2, 4), "down6": WTile(1, 2)}  # Q6I: unmeasured, Q6B words' best
-BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES["mv_big"]
+ITILES = {("mv", Q4_K): WTile(2, 8), ("mv_big", Q4_K): WTile(4, 8), ("gate_up", Q4_K): WTile(4, 8),
+          ("down", Q4_K): WTile(2, 4),
+          # Q6I, Q8I: unmeasured, the byte word kernels' best (NOTES.md 7h, 7m)
+          ("mv", Q6I): WTile(2, 4), ("gate_up", Q6I): WTile(2, 2), ("down", Q6I): WTile(1, 2),
+          ("mv", Q8I): WTile(2, 4), ("gate_up", Q8I): WTile(2, 2), ("down", Q8I): WTile(1, 2)}
+BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES[("mv_big", layout)] where there is one
 
 
 def quantize_x24(x: torch.Tensor, out: X24 | None = None) -> X24:
@@ -401,34 +442,55 @@ def _xviews(x: X24, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     return x.hi.view(torch.int64), x.lo.view(torch.int32), x.s, x.sum
 
 
+def bytes_q8_0(w: torch.Tensor, chunk_groups: int = 1 << 16) -> torch.Tensor:
+    """Q8_0 rows uint8 [..., 34 n] (n % 8 == 0) -> the Q8I copy uint8 [..., 288 n / 8]: per 256 weights their 256
+    int8 values in weight order (word-aligned, so one load per 4 values), then the 8 block scales d as float32
+    (exact). The same values (d q), 1.06x the bytes; `chunk_groups` 256-weight groups at a time."""
+    if w.shape[-1] % (34 * 8):
+        raise ValueError(f"Q8_0 rows must be whole 256-weight groups (272 bytes), got rows of {w.shape[-1]} bytes")
+    groups = w.reshape(-1, 8, 34)  # [n, 8 blocks, 34]
+    out = torch.empty(groups.shape[0], BYTES_Q8I, dtype=torch.uint8, device=w.device)
+    for i in range(0, groups.shape[0], chunk_groups):
+        g = groups[i:i + chunk_groups]
+        out[i:i + chunk_groups, :256] = g[..., 2:].reshape(-1, 256)
+        d = g[..., :2].contiguous().view(torch.float16).float()  # [n, 8, 1]
+        out[i:i + chunk_groups, 256:] = d.reshape(-1, 8).view(torch.uint8)
+    return out.reshape(*w.shape[:-1], -1)
+
+
+COPIES = {Q6_K: partial(bytes_q6k, signed=True), Q8_0: bytes_q8_0}  # the load-time copies the kernels read
+
+
 def takes(qtype: int, w: torch.Tensor, k: int) -> bool:
-    """Whether matrix w (raw rows of this type over K inputs) is in a layout the integer kernels read: Q4_K's rows,
-    or Q6_K's signed bytes copy (not its file's rows: where the copy did not fit, the word kernels take it)."""
-    if qtype == Q4_K:
-        return k % 256 == 0
-    return qtype == Q6_K and k % 256 == 0 and w.shape[-1] == BYTES_Q6 * (k // 256)
+    """Whether matrix w (raw rows of this type over K inputs) is in the layout the integer kernels read: Q4_K's
+    rows, or the copy of COPIES (not Q6_K / Q8_0's file's rows: where the copy did not fit, other kernels take it)."""
+    return qtype in LAYOUTS and k % 256 == 0 and w.shape[-1] == LAYOUTS[qtype][1] * (k // 256)
 
 
 def _iviews(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
-    """(int32, int16, int8 views), words per 256 weights and the layout code of a matrix an integer kernel reads:
-    Q4_K rows (144 bytes per 256 weights), or Q6_K's signed bytes copy (`wmatvec.bytes_q6k(signed=True)`)."""
+    """(int32, int16, int8 views), words per 256 weights and the layout code of a matrix an integer kernel reads
+    (`takes`)."""
     if qtype == Q4_K:
         w32 = _words(w, k)
         return (w32, w32, w32), 36, Q4_K
-    if qtype == Q6_K and w.shape[-1] == BYTES_Q6 * (k // 256) and w.is_contiguous() and w.data_ptr() % 4 == 0:
-        return (w.view(torch.int32), w.view(torch.int16), w.view(torch.int8)), BYTES_Q6 // 4, Q6I
+    if takes(qtype, w, k) and w.is_contiguous() and w.data_ptr() % 4 == 0:
+        code, size = LAYOUTS[qtype]
+        return (w.view(torch.int32), w.view(torch.int16), w.view(torch.int8)), size // 4, code
     raise ValueError(f"{GGMLQuantizationType(qtype).name} matrix {tuple(w.shape)} has no integer-dot kernel for "
-                     f"K = {k} (Q4_K rows, or Q6_K as `bytes_q6k(w, signed=True)`'s contiguous copy)")
+                     f"K = {k} (Q4_K rows, or Q6_K / Q8_0 as their contiguous `imatvec.COPIES` copy)")
+
+
+def _itile(kind: str, qt: int, m: int) -> WTile:
+    return ITILES.get((kind + ("_big" if kind == "mv" and m >= BIG_ROWS else ""), qt)) or ITILES[(kind, qt)]
 
 
 def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor | None = None,
               *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
-    """out[M] = W[M, K] @ x[K] (+ residual[M]). w: uint8 [M, row_bytes], a Q4_K matrix or (qtype Q6_K) the signed
-    bytes copy of one; x: X24 of [K]; out/residual: f32 [M] (out may be residual). Returns out."""
+    """out[M] = W[M, K] @ x[K] (+ residual[M]). w: uint8 [M, row_bytes], a Q4_K matrix or (qtype Q6_K / Q8_0) its
+    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). Returns out."""
     m, k = w.shape[0], x.hi.shape[-1]
     views, units, qt = _iviews(qtype, w, k)
-    big = "_big" if m >= BIG_ROWS else ""
-    t = wtile_for("mv", m, k, m, w.device, tile or ITILES[("mv" if qt == Q4_K else "mv6") + big])
+    t = wtile_for("mv", m, k, m, w.device, tile or _itile("mv", qt, m))
     _imv_kernel[(triton.cdiv(m, t.rows),)](
         *views, *_xviews(x, k), out if residual is None else residual, out, m,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
@@ -439,15 +501,18 @@ def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
                   act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
                   route: Route | None = None, h_out: X24 | None = None, counters: torch.Tensor | None = None,
-                  words: int = WORDS_PER_THREAD) -> torch.Tensor:
-    """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for Q4_K experts. w_*: uint8 [E, F, row_bytes];
-    x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out: f32 [n_sel, F],
-    rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out quantized (X24 of
-    [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left zero)."""
+                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+    """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x). w_*: uint8 [E, F, row_bytes], Q4_K or (qtype Q6_K / Q8_0)
+    their `COPIES` copy; x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out:
+    f32 [n_sel, F], rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out
+    quantized (X24 of [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left
+    zero)."""
     f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
-    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile or ITILES["gate_up"])
+    gv, units, qt = _iviews(qtype, w_gate, k)
+    uv, _, _ = _iviews(qtype, w_up, k)
+    t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile or _itile("gate_up", qt, f))
     if h_out is not None:
         if perm_out or f % 32 or 32 % t.rows or counters is None or counters.numel() < n_sel * f // 32:
             raise ValueError(f"h_out needs natural-order rows, F % 32 == 0 (F = {f}), rows per program dividing 32 "
@@ -456,12 +521,11 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
         hargs = (*h_out, counters)  # stored as int16 / uint8 values
     else:
         hargs = (out,) * 5
-    wg, wu = _words(w_gate, k), _words(w_up, k)
     rargs, rconst = _route_args(route, ids)
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
-        wg, wu, *_xviews(x, k), ids, *rargs, out, f, wg.stride(0), wu.stride(0), out.stride(0), *hargs,
-        N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
-        H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
+        *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
+        QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
+        **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
@@ -469,11 +533,11 @@ def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.T
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
                words: int = WORDS_PER_THREAD) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
-    [E, N, row_bytes], Q4_K or (qtype Q6_K) the signed bytes copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
+    [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
     residual / out: f32 [N] (out may be residual). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
-    t = wtile_for("down", n, f, n, w_down.device, tile or ITILES["down" if qt == Q4_K else "down6"])
+    t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
         QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
