@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for the q/k/v, output and gate/up products, the word kernels for the rest), triton-words "
                         "(Q4_K on the word kernels only), triton-bytes (every type on the byte-decoding "
                         "matvecs), triton-unpadded (the Q6_K matrices on the file's rows, no one-byte-per-value "
-                        "copy), torch (plain-torch twins)")
+                        "copy), triton-int-all (also the integer kernels not yet timed: Q8_0, Q6_K gate/up), torch "
+                        "(plain-torch twins)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")

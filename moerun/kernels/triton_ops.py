@@ -29,14 +29,16 @@ class TritonOps:
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
     pad: the word-kernel products in wmatvec.PAD (Q6_K's) read a load-time copy of their matrices in the layout
     their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows.
-    ints: the products in imatvec.INT_KINDS (Q4_K's and Q6_K's, but Q6_K's gate/up) run on the integer-dot kernels,
-    which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or, for down, the integer
-    gate/up writes it); Q6_K's through a signed bytes copy (`repack`)."""
+    ints: the products in int_kinds (default imatvec.INT_KINDS: Q4_K's and Q6_K's, but Q6_K's gate/up) run on the
+    integer-dot kernels, which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or,
+    for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`)."""
 
     name = "triton"
 
-    def __init__(self, words: bool = True, pad: bool = True, ints: bool = True) -> None:
+    def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
+                 int_kinds: dict[int, tuple[str, ...]] | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
+        self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -68,7 +70,7 @@ class TritonOps:
 
     def ints(self, qtype: int, k: int, kind: str) -> bool:
         """Whether products of this type over K inputs (of `kind`) run on the integer-dot kernels (x24 input)."""
-        return self.use_ints and ik.supports(qtype, k, kind)
+        return self.use_ints and ik.supports(qtype, k, kind, self.int_kinds)
 
     def ints_take(self, qtype: int, kind: str, w: torch.Tensor, k: int) -> bool:
         """Whether product `kind` of matrix w (as `repack` returned it) over K inputs runs on the integer kernels."""

@@ -104,11 +104,13 @@ def test_make_ops_names() -> None:
     assert make_ops("triton-words").kernel_name(12) == "triton-words"
     assert make_ops("triton").ints(12, 2048, "gate_up") and not make_ops("triton-words").ints(12, 2048, "gate_up")
     assert make_ops("triton").ints(12, 2048, "down") and make_ops("triton").ints(14, 2048, "mv")
-    assert make_ops("triton").ints(14, 2048, "gate_up") and make_ops("triton").ints(8, 2048, "mv")
-    assert not make_ops("triton").ints(13, 2048, "mv")  # Q5_K
-    assert make_ops("triton").kernel_name(8) == "triton-int(mv,gate_up,down)"
-    assert make_ops("triton-words").kernel_name(8) == "triton-words"
-    assert make_ops("triton").kernel_name(14) == "triton-int(mv,gate_up,down)"
+    assert not make_ops("triton").ints(14, 2048, "gate_up") and not make_ops("triton").ints(8, 2048, "mv")
+    assert make_ops("triton-int-all").ints(14, 2048, "gate_up") and make_ops("triton-int-all").ints(8, 2048, "mv")
+    assert not make_ops("triton-int-all").ints(13, 2048, "mv")  # Q5_K
+    assert make_ops("triton").kernel_name(8) == "triton-words"
+    assert make_ops("triton-int-all").kernel_name(8) == "triton-int(mv,gate_up,down)"
+    assert make_ops("triton").kernel_name(14) == "triton-int(mv,down)+words(gate_up repacked)"
+    assert make_ops("triton-int-all").kernel_name(14) == "triton-int(mv,gate_up,down)"
     assert make_ops("triton-words").kernel_name(14) == "triton+words(mv repacked,gate_up repacked,down repacked)"
     assert make_ops("triton-unpadded").kernel_name(14) == "triton-words"
     w = torch.zeros(16384, 8 * 210, dtype=torch.uint8)  # a Q6_K output-sized matrix, K = 2048
@@ -204,19 +206,20 @@ def test_repack_falls_back_when_memory_is_short(monkeypatch: pytest.MonkeyPatch)
     assert ops.repack(14, "mv", w).shape == (2048, 8 * 288)
 
 
-@pytest.mark.parametrize("ftype,ops", [("q4_k_m", "triton"), ("q6_k", "triton"), ("q4_k_m", "triton-words")])
+@pytest.mark.parametrize("ftype,ops", [("q4_k_m", "triton"), ("q6_k", "triton"), ("q6_k", "triton-int-all"),
+                                      ("q4_k_m", "triton-words")])
 def test_q6k_layout_follows_the_input(ftype: str, ops: str, tmp_path: Path) -> None:
     """A Q6_K matrix is copied into the integer kernels' signed bytes only where the step gives its product a
     quantized x: always for the matvecs (output, attn_v: RMSNorm writes it), for down only behind an integer gate/up
-    (Q4_K_M's Q4_K gate/up and a Q6_K file's Q6_K gate/up: yes; with `triton-words` never: the word kernels'
-    unsigned copy, which they read). Load-time only: no kernel runs."""
+    (Q4_K_M's Q4_K gate/up: yes; a Q6_K file's Q6_K gate/up only with triton-int-all; with `triton-words` never:
+    the word kernels' unsigned copy, which they read). Load-time only: no kernel runs."""
     from moerun.kernels.triton import wmatvec as wk
     from moerun.synth import synthesize
 
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
     synthesize("tiny-olmoe-1b-7b", ftype, path, progress=False)
     eng = Engine(path, device="cpu", dtype="float32", kv_dtype="float32", fast=True, ops=ops, graph=False)
-    int_down = ops == "triton"
+    int_down = ops == "triton-int-all" or (ops == "triton" and ftype == "q4_k_m")
     downs = [(L["ffn_down_exps"], W["ffn_down_exps"]) for L, W in zip(eng.fast.layers, eng.weights.layers,
                                                                       strict=True)]
     downs = [(m, w) for m, w in downs if m.qtype == 14]
@@ -226,4 +229,4 @@ def test_q6k_layout_follows_the_input(ftype: str, ops: str, tmp_path: Path) -> N
     out = eng.weights.globals.get("output", eng.weights.globals["token_embd"])
     if int(out.qtype.ggml) == 14:
         assert torch.equal(eng.fast.out_mat.raw, wk.bytes_q6k(out.raw.reshape(eng.fast.out_mat.raw.shape[0], -1),
-                                                              signed=ops == "triton"))
+                                                              signed=ops != "triton-words"))
