@@ -1,4 +1,4 @@
-"""Q4_K matvec kernels for batch-1 decode on integer dot products (Triton + PTX `dp2a` / `dp4a`).
+"""Q4_K, Q6_K and Q8_0 matvec kernels for batch-1 decode on integer dot products (Triton + PTX `dp2a` / `dp4a`).
 
 The word kernels (wmatvec.py) turn every weight into a float and spend ~5.5 instructions on it (static sm_90
 SASS, NOTES.md 7m); here x is quantized once per product input to 24-bit integers with a scale per 32 values
@@ -14,14 +14,19 @@ the weights stay exact and x is rounded about as float32 rounds it: the products
 ~1e-7 of sum |w| |x| (a 16-bit x alone, two dp2a per 4 weights, missed the tests' 1e-4 logit bound on the tiny
 models, NOTES.md 7n).
 
+Q6_K and Q8_0 are read from load-time copies with one signed byte per weight (`COPIES`: layouts Q6I, with q - 32,
+and Q8I), so their words go to the dot instructions as they are and the scales apply per 16 / 32 weights
+(NOTES.md 7o, 7p). The producers write x quantized (decode_ops `store_x24`: RMSNorm, the router's RMSNorm, the
+attention reduce); for down, the gate/up launch itself (`_quantize_h_group`).
+
 - `quantize_x24`    x [..., K] -> X24
 - `qmatvec_i`       out[M] = W[M, K] @ x[K] (+ residual[M])
 - `moe_gate_up_i`   out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x)
 - `moe_down_i`      out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i])
 
 Under TRITON_INTERPRET=1 the dot instructions are computed from their definition (the interpreter runs no PTX),
-so the CPU tests check every other line of these kernels. Fixed summation order, no atomics: bit-identical run
-to run.
+so the CPU tests check every other line of these kernels. Fixed summation order; the only atomics are gate/up's
+arrival counters, which choose who quantizes a group, not what it holds: bit-identical run to run.
 """
 
 from __future__ import annotations
