@@ -71,13 +71,13 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
                 return raw if qt == 12 else ik.COPIES[qt](raw)
 
             if kind.startswith("imv"):
-                ik.qmatvec_i(w(N, N), ik.empty_x24((N,), cpu), torch.empty(N), qtype=qt, tile=tile, words=WORDS)
+                ik.qmatvec_i(w(N, N), ik.X24.empty((N,), cpu), torch.empty(N), qtype=qt, tile=tile, words=WORDS)
             elif kind.startswith("igate_up"):
                 wg = w(E, F, N)
-                ik.moe_gate_up_i(wg, wg, ik.empty_x24((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
+                ik.moe_gate_up_i(wg, wg, ik.X24.empty((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
                                  words=WORDS)
             else:
-                ik.moe_down_i(w(E, N, F), ik.empty_x24((TOPK, F), cpu), ids, torch.ones(TOPK), torch.zeros(N),
+                ik.moe_down_i(w(E, N, F), ik.X24.empty((TOPK, F), cpu), ids, torch.ones(TOPK), torch.zeros(N),
                               torch.empty(N), qtype=qt, tile=tile, words=WORDS)
         elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)

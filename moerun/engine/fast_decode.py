@@ -151,7 +151,6 @@ class FastDecoder:
         raw = self.ops.repack(m.qtype, kind, m.raw, ints=ints)
         return m if raw is m.raw else _Mat(raw, m.qtype, m.name)
 
-
     # --- the step -------------------------------------------------------------------------------
 
     def _embed(self) -> None:

@@ -84,7 +84,7 @@ class TorchOps:
 
     @staticmethod
     def ints(qtype: int, k: int, kind: str) -> bool:
-        """Whether products of this type over K inputs (of `kind`) read x quantized to 16 bits (imatvec.X24): the
+        """Whether products of this type over K inputs (of `kind`) read x quantized to 24 bits (X24): the
         integer-dot kernels' input, never read here (the products below multiply the float x)."""
         return False
 

@@ -171,27 +171,30 @@ def test_attention_decode_rope(gen: torch.Generator, h: int, hkv: int, d: int, d
     close(out, want)
 
 
-def test_attention_decode_perm_out(gen: torch.Generator) -> None:
-    """The reduce step also writes the output flattened in the word kernels' order (for attn_output)."""
+def _attention_into(gen: torch.Generator, **outputs) -> torch.Tensor:
+    """One small attention_decode (4 heads of 64, 2 KV heads, 9 cached positions, 2 splits) writing its extra
+    `outputs` (out_perm / out_x24) too; returns out [4, 64]."""
     h, hkv, d, n_ctx, kv_len = 4, 2, 64, 32, 9
     q = randn(gen, h, d)
     k_cache, v_cache = randn(gen, n_ctx, hkv, d), randn(gen, n_ctx, hkv, d)
     scratch = ops.attention_scratch(h, d, 2, DEV)
-    out, out_p = nan(h, d), nan(h * d)
+    out = nan(h, d)
     kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
-    ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, out, scratch, block_n=16, out_perm=out_p)
+    ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, out, scratch, block_n=16, **outputs)
+    return out
+
+
+def test_attention_decode_perm_out(gen: torch.Generator) -> None:
+    """The reduce step also writes the output flattened in the word kernels' order (for attn_output)."""
+    out_p = nan(4 * 64)
+    out = _attention_into(gen, out_perm=out_p)
     assert torch.equal(out_p.cpu(), permute_k4(out.reshape(-1).cpu()))
 
 
 def test_attention_decode_x24_out(gen: torch.Generator) -> None:
     """The reduce step also writes the output flattened and quantized (imatvec.X24, for attn_output)."""
-    h, hkv, d, n_ctx, kv_len = 4, 2, 64, 32, 9
-    q = randn(gen, h, d)
-    k_cache, v_cache = randn(gen, n_ctx, hkv, d), randn(gen, n_ctx, hkv, d)
-    scratch = ops.attention_scratch(h, d, 2, DEV)
-    out, x24 = nan(h, d), poisoned_x24(h * d)
-    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
-    ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, out, scratch, block_n=16, out_x24=x24)
+    x24 = poisoned_x24(4 * 64)
+    out = _attention_into(gen, out_x24=x24)
     check_x24(x24, out.reshape(-1))
 
 

@@ -124,7 +124,7 @@ def test_bytes_q8_0_exact(device, rng) -> None:
 def test_qmatvec_i_rejects_file_rows(device) -> None:
     w = torch.zeros(4, 210, dtype=torch.uint8, device=device)
     with pytest.raises(ValueError, match="Q6_K matrix .* no integer-dot kernel"):  # the file's rows
-        ik.qmatvec_i(w, ik.empty_x24((256,), device), torch.empty(4, device=device), qtype=Q6_K)
+        ik.qmatvec_i(w, ik.X24.empty((256,), device), torch.empty(4, device=device), qtype=Q6_K)
 
 
 @pytest.mark.parametrize("qtype,tile,words", [(Q4_K, t, ik.WORDS_PER_THREAD) for t in TILES] + [(Q4_K, None, 4)]
@@ -159,7 +159,7 @@ def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
         logits = vec(gen, e).to(device)
         ids = torch.full((n_sel,), -1, dtype=torch.int32, device=device)
         out = torch.full((n_sel, f), float("nan"), device=device)
-        h24 = ik.empty_x24((n_sel, f), device)
+        h24 = ik.X24.empty((n_sel, f), device)
         route = wk.Route(logits, torch.empty(n_sel, device=device), True)
         ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile)
         want = ik.quantize_x24_ref(out.cpu())
@@ -171,10 +171,10 @@ def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
 
 def test_moe_gate_up_i_h_out_checked(device) -> None:
     w = torch.zeros(2, 48, 144, dtype=torch.uint8, device=device)
-    x = ik.empty_x24((256,), device)
+    x = ik.X24.empty((256,), device)
     with pytest.raises(ValueError, match="h_out needs"):
         ik.moe_gate_up_i(w, w, x, torch.zeros(1, dtype=torch.int32, device=device),
-                         torch.zeros(1, 48, device=device), h_out=ik.empty_x24((1, 64), device),
+                         torch.zeros(1, 48, device=device), h_out=ik.X24.empty((1, 64), device),
                          counters=torch.zeros(2, dtype=torch.int32, device=device))
 
 

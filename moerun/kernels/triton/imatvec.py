@@ -50,6 +50,7 @@ from moerun.kernels.triton.wmatvec import (
     _route_args,
     _scale_min,
     _store_h,
+    _total,
     _words,
     bytes_q6k,
     wtile_for,
@@ -68,10 +69,6 @@ INT_KINDS = {Q4_K: ("mv", "gate_up", "down"), Q6_K: ("mv", "down")}
 X_GROUP = 32  # x values per scale
 X_MAX = 8388607.0  # 2^23 - 1
 _EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def empty_x24(shape: tuple[int, ...], device: torch.device) -> X24:
-    return X24.empty(shape, device)
 
 
 def supports(qtype: int, k: int, kind: str, kinds: dict[int, tuple[str, ...]] = INT_KINDS) -> bool:
@@ -282,14 +279,9 @@ def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr
 
 
 @triton.jit
-def _itotal(acc, accm):
-    return tl.sum(tl.sum(tl.sum(acc, axis=2), axis=1), axis=0) - tl.sum(tl.sum(accm, axis=1), axis=0)
-
-
-@triton.jit
 def _itotal_qt(QT: tl.constexpr, acc, accm):
     if QT == 12:
-        v = _itotal(acc, accm)
+        v = _total(acc, accm)  # wmatvec's: Q4_K's acc [NB, 4, S] less the min terms accm [NB, 4]
     else:
         v = tl.sum(tl.sum(acc, axis=1), axis=0)
     return v
@@ -435,7 +427,7 @@ def quantize_x24(x: torch.Tensor, out: X24 | None = None) -> X24:
     """x f32 [..., K] (contiguous, K % 32 == 0) -> X24 (hi int16, lo uint8 [..., K], s / sum f32 [..., K / 32])."""
     if x.shape[-1] % X_GROUP or not x.is_contiguous():
         raise ValueError(f"quantize_x24 needs contiguous x with K % {X_GROUP} == 0, got {tuple(x.shape)}")
-    out = out or empty_x24(tuple(x.shape), x.device)
+    out = out or X24.empty(tuple(x.shape), x.device)
     n = x.numel() // X_GROUP
     _quant_x24_kernel[(triton.cdiv(n, QUANT_BLOCK),)](x, *out, n, G=X_GROUP, BLOCK=QUANT_BLOCK,
                                                        num_warps=1)
