@@ -36,9 +36,10 @@ class TritonOps:
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
-                 int_kinds: dict[int, tuple[str, ...]] | None = None) -> None:
+                 int_kinds: dict[int, tuple[str, ...]] | None = None, int_words: int = ik.WORDS_PER_THREAD) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
+        self.int_words = int_words
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -106,7 +107,7 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
         if x24 is not None and self.ints(qtype, x.shape[-1], "mv") and ik.takes(qtype, w, x.shape[-1]):
-            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, words=self.int_words)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -129,7 +130,7 @@ class TritonOps:
                 and ik.takes(qtype_gate, w_gate, k) and ik.takes(qtype_up, w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate)
+                                    counters=cnt, qtype=qtype_gate, words=self.int_words)
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -145,7 +146,7 @@ class TritonOps:
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
         if h_x24 is not None and self.ints(qtype, h.shape[-1], "down") and ik.takes(qtype, w_down, h.shape[-1]):
-            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype)
+            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype, words=self.int_words)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
@@ -58,8 +59,8 @@ def test_quantize_x24_bound(device, rng) -> None:
     assert int(xq.hi.cpu()[2, 64]) * 256 + int(xq.lo.cpu()[2, 64]) == -(2 ** 23 - 1)
 
 
-@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4), (wk.WTile(1, 2), 4)],
-                         ids=str)
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4), (wk.WTile(1, 2), 4)]
+                         + [(t, ik.PAIR_WORDS) for t in TILES], ids=str)
 @pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
 def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
     gen, seed = rng
@@ -77,6 +78,24 @@ def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
     check_bound(out, dense @ xd + r.double(), dense.abs() @ xd.abs() + r.double().abs(), seed, what)
     check_bound(out, dense @ x.double() + r.double(), dense.abs() @ x.double().abs() + r.double().abs(), seed,
                 what + " (unquantized x)", tol=X_TOL)
+
+
+@pytest.mark.parametrize("words", [ik.WORDS_PER_THREAD, 4, ik.PAIR_WORDS])
+def test_qmatvec_i_extremes(words, device) -> None:
+    """The integer sums at their largest: every nibble 15 under the largest 6-bit scales and every x at its group's
+    largest value (X = 2^23 - 1 throughout), dmin 0, against gguf's dequantization: no int32 sum overflows (the
+    pair path's high nibbles are multiplied as 16 q)."""
+    m, k = 3, 512
+    block = np.zeros(144, dtype=np.uint8)
+    block[0:2] = np.frombuffer(np.float16(2.0 ** -10).tobytes(), dtype=np.uint8)  # d; dmin (bytes 2-3) 0
+    block[4:] = 0xFF  # the 12 scale bytes (all scales and mins 63) and every nibble 15
+    raw = np.tile(block, (m, k // 256))
+    w = torch.from_numpy(gguf_dequantize(raw, T.Q4_K).astype(np.float64))  # [m, k]
+    x = torch.full((k,), 3.0)  # X = 2^23 - 1: hi 32767, lo 255 everywhere
+    xq, xd = _x24(x, device)
+    out = ik.qmatvec_i(torch.from_numpy(raw).to(device), xq, torch.full((m,), float("nan"), device=device),
+                       words=words)
+    check_bound(out, w @ xd, w.abs() @ xd.abs(), 0, f"Q4_K extremes words={words}")
 
 
 def test_bytes_q6k_signed_exact(device, rng) -> None:
@@ -128,6 +147,7 @@ def test_qmatvec_i_rejects_file_rows(device) -> None:
 
 
 @pytest.mark.parametrize("qtype,tile,words", [(Q4_K, t, ik.WORDS_PER_THREAD) for t in TILES] + [(Q4_K, None, 4)]
+                         + [(Q4_K, t, ik.PAIR_WORDS) for t in (None, wk.WTile(1, 1))]
                          + [(q, t, 8) for q in (Q6_K, Q8_0) for t in (None, wk.WTile(1, 1))], ids=str)
 def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
     gen, seed = rng
@@ -145,8 +165,9 @@ def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
         check_bound(out, a * u, bound, seed, f"{T(qtype).name} igate_up ids={ids_list} {act} tile={tile}")
 
 
-@pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
-def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
+@pytest.mark.parametrize("tile,words", [(None, ik.WORDS_PER_THREAD), (wk.WTile(2, 1, 1, 1), ik.WORDS_PER_THREAD),
+                                        (None, ik.PAIR_WORDS)], ids=str)
+def test_moe_gate_up_i_quantizes_h(tile, words, device, rng) -> None:
     """h_out: the launch also quantizes h for the integer down (each 32-value group by the last of its programs to
     finish, counters left zero); routed, so the ids come from the same launch. Twice, so the counters' reset shows."""
     gen, _ = rng
@@ -161,7 +182,7 @@ def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
         out = torch.full((n_sel, f), float("nan"), device=device)
         h24 = ik.X24.empty((n_sel, f), device)
         route = wk.Route(logits, torch.empty(n_sel, device=device), True)
-        ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile)
+        ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile, words=words)
         want = ik.quantize_x24_ref(out.cpu())
         got_q = h24.hi.cpu().int() * 256 + h24.lo.cpu().int()
         assert (got_q - (want.hi.int() * 256 + want.lo.int())).abs().max() <= 1
@@ -196,7 +217,8 @@ def test_moe_down_i_bytes(qtype, tile, device, rng) -> None:
     check_bound(out, ref, bound, seed, f"{T(qtype).name} idown tile={tile}")
 
 
-@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)], ids=str)
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)]
+                         + [(t, ik.PAIR_WORDS) for t in (None, wk.WTile(1, 1), wk.WTile(2, 4, 2, 2))], ids=str)
 def test_moe_down_i(tile, words, device, rng) -> None:
     gen, seed = rng
     e, n, f = 5, 37, 768

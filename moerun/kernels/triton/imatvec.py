@@ -69,6 +69,11 @@ INT_KINDS = {Q4_K: ("mv", "gate_up", "down"), Q6_K: ("mv", "down")}
 X_GROUP = 32  # x values per scale
 X_MAX = 8388607.0  # 2^23 - 1
 _EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Q4_K's words per thread T: 4 or 8 words of a sub-block pair as one [.., T] tile (Triton gives a thread at most 4
+# of them, one 16-byte load, so the pair's sums cross threads), or PAIR: each thread holds whole pairs, two 16-byte
+# halves (`_irow_pair_step`: no shuffles, the scales unpacked bytewise; NOTES.md 7q)
+PAIR_WORDS = 16
+PAIR = tl.constexpr(PAIR_WORDS)
 
 
 def supports(qtype: int, k: int, kind: str, kinds: dict[int, tuple[str, ...]] = INT_KINDS) -> bool:
@@ -115,35 +120,35 @@ def _byte(q, K: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _dp4(xa, xb, q, SIGNED: tl.constexpr, EMU: tl.constexpr):
-    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the bytes
-    q0..q3 (unsigned, or signed with SIGNED). Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their
-    definition."""
+def _dp4(xa, xb, q, c, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """c + x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the bytes
+    q0..q3 (unsigned, or signed with SIGNED), c an int32 accumulator (a sum chained through the instructions costs no
+    add). Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their definition."""
     if EMU:
-        return (((xa << 16) >> 16) * _byte(q, 0, SIGNED) + (xa >> 16) * _byte(q, 1, SIGNED)
-                + ((xb << 16) >> 16) * _byte(q, 2, SIGNED) + (xb >> 16) * _byte(q, 3, SIGNED))
+        return c + (((xa << 16) >> 16) * _byte(q, 0, SIGNED) + (xa >> 16) * _byte(q, 1, SIGNED)
+                    + ((xb << 16) >> 16) * _byte(q, 2, SIGNED) + (xb >> 16) * _byte(q, 3, SIGNED))
     elif SIGNED:
         return tl.inline_asm_elementwise(
-            "{ .reg .s32 t; dp2a.lo.s32.s32 t, $1, $3, 0; dp2a.hi.s32.s32 $0, $2, $3, t; }",
-            "=r,r,r,r", [xa, xb, q], dtype=tl.int32, is_pure=True, pack=1)
+            "{ .reg .s32 t; dp2a.lo.s32.s32 t, $1, $3, $4; dp2a.hi.s32.s32 $0, $2, $3, t; }",
+            "=r,r,r,r,r", [xa, xb, q, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise(
-            "{ .reg .s32 t; dp2a.lo.s32.u32 t, $1, $3, 0; dp2a.hi.s32.u32 $0, $2, $3, t; }",
-            "=r,r,r,r", [xa, xb, q], dtype=tl.int32, is_pure=True, pack=1)
+            "{ .reg .s32 t; dp2a.lo.s32.u32 t, $1, $3, $4; dp2a.hi.s32.u32 $0, $2, $3, t; }",
+            "=r,r,r,r,r", [xa, xb, q, c], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _dp4u(xu, q, SIGNED: tl.constexpr, EMU: tl.constexpr):
-    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and the bytes of q (unsigned, or signed
-    with SIGNED): one PTX dp4a."""
+def _dp4u(xu, q, c, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """c + x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and the bytes of q (unsigned, or
+    signed with SIGNED): one PTX dp4a."""
     if EMU:
-        return ((xu & 255) * _byte(q, 0, SIGNED) + ((xu >> 8) & 255) * _byte(q, 1, SIGNED)
-                + ((xu >> 16) & 255) * _byte(q, 2, SIGNED) + ((xu >> 24) & 255) * _byte(q, 3, SIGNED))
+        return c + ((xu & 255) * _byte(q, 0, SIGNED) + ((xu >> 8) & 255) * _byte(q, 1, SIGNED)
+                    + ((xu >> 16) & 255) * _byte(q, 2, SIGNED) + ((xu >> 24) & 255) * _byte(q, 3, SIGNED))
     elif SIGNED:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [xu, q, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
+        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [xu, q, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
 
 
@@ -176,8 +181,8 @@ def _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.cons
 def _dot24(xa, xb, xu, q, AX: tl.constexpr, SIGNED: tl.constexpr, EMU: tl.constexpr):
     """Sum along axis AX (a thread's words) of sum_k q_k X_k over each word's 4 bytes q_k (unsigned, or signed with
     SIGNED) and X_k = 256 hi + lo (xa, xb: hi pairs, xu: lo bytes) -> float32, AX removed."""
-    hi = tl.sum(_dp4(xa, xb, q, SIGNED, EMU), axis=AX)
-    lo = tl.sum(_dp4u(xu, q, SIGNED, EMU), axis=AX)
+    hi = tl.sum(_dp4(xa, xb, q, 0 * q, SIGNED, EMU), axis=AX)
+    lo = tl.sum(_dp4u(xu, q, 0 * q, SIGNED, EMU), axis=AX)
     return hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
 
 
@@ -200,6 +205,87 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
     sc_l, mn_l = _scale_min(h1, h2, h3, c2)  # [NB, 4]
     sc_h, mn_h = _scale_min(h1, h2, h3, c2 + 1)
     acc += (d * sc_l * sx_lo)[:, :, None] * s_lo + (d * sc_h * sx_hi)[:, :, None] * s_hi
+    accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
+    return acc, accm
+
+
+@triton.jit
+def _ix_half(xh_ptr, xl_ptr, blk, H: tl.constexpr):
+    """x24 for qs words 8c + 4H + j (j < 4) of blocks blk [NB] (the pair path): the int16 pairs (a, b) and lo bytes
+    (u) of the low nibbles' weights 64c + 4(4H + j) + 0..3, then of the high nibbles' (+32), [NB, 4, 4] int32 each."""
+    xo = blk[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16 + 4 * H + tl.arange(0, 4)[None, None, :]
+    h0 = tl.load(xh_ptr + xo)
+    h1 = tl.load(xh_ptr + xo + 8)
+    return (h0.to(tl.int32), (h0 >> 32).to(tl.int32), tl.load(xl_ptr + xo),
+            h1.to(tl.int32), (h1 >> 32).to(tl.int32), tl.load(xl_ptr + xo + 8))
+
+
+@triton.jit
+def _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr):
+    """x24 of blocks kb .. kb+NB-1 for the pair path: both halves (`_ix_half`), the scales and sums of sub-blocks
+    2c / 2c + 1 [NB, 4]."""
+    blk = kb + tl.arange(0, NB)
+    sb = blk[:, None] * 8 + 2 * tl.arange(0, 4)[None, :]
+    return (_ix_half(xh_ptr, xl_ptr, blk, 0), _ix_half(xh_ptr, xl_ptr, blk, 1),
+            tl.load(xs_ptr + sb), tl.load(xs_ptr + sb + 1), tl.load(xsum_ptr + sb), tl.load(xsum_ptr + sb + 1))
+
+
+@triton.jit
+def _dot24_pair(x0, x1, q0, q1, HIGH: tl.constexpr, EMU: tl.constexpr):
+    """sum q X over the 8 words of each sub-block pair's low (or, HIGH, high) nibbles -> float32 [NB, 4]; x0 / x1:
+    the halves' x (`_ix_half`), q0 / q1: their words [NB, 4, 4]. The halves' sums chain through the dot
+    instructions; the high nibbles are multiplied in place (q & 0xF0: 16 times the value, one instruction less per
+    word; |sums| < 2^28) and the 16 divided out exactly in float."""
+    if HIGH:
+        w0 = q0 & -0x0F0F0F10  # 0xF0F0F0F0
+        w1 = q1 & -0x0F0F0F10
+        hi = tl.sum(_dp4(x1[3], x1[4], w1, _dp4(x0[3], x0[4], w0, 0 * w0, False, EMU), False, EMU), axis=2)
+        lo = tl.sum(_dp4u(x1[5], w1, _dp4u(x0[5], w0, 0 * w0, False, EMU), False, EMU), axis=2)
+        v = hi.to(tl.float32) * 16.0 + lo.to(tl.float32) * 0.0625
+    else:
+        w0 = q0 & 0x0F0F0F0F
+        w1 = q1 & 0x0F0F0F0F
+        hi = tl.sum(_dp4(x1[0], x1[1], w1, _dp4(x0[0], x0[1], w0, 0 * w0, False, EMU), False, EMU), axis=2)
+        lo = tl.sum(_dp4u(x1[2], w1, _dp4u(x0[2], w0, 0 * w0, False, EMU), False, EMU), axis=2)
+        v = hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _scales_pair(h1, h2, h3, c):
+    """6-bit scales and mins of sub-blocks 2c and 2c + 1 (c [1, 4]) from the scale words h1-h3 [NB, 1]: all 8 of
+    each unpacked bytewise in a few word operations (llama.cpp's get_scale_min_k4, four at a time), then the pair
+    picked -> (sc_lo, sc_hi, m_lo, m_hi) float32 [NB, 4]."""
+    sc_a = h1 & 0x3F3F3F3F  # bytes: the scales of sub-blocks 0..3
+    sc_b = (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)  # 4..7
+    mn_a = h2 & 0x3F3F3F3F
+    mn_b = ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)
+    sh = (c & 1) * 16
+    sc = tl.where(c < 2, sc_a, sc_b) >> sh
+    mn = tl.where(c < 2, mn_a, mn_b) >> sh
+    return ((sc & 255).to(tl.float32), ((sc >> 8) & 255).to(tl.float32), (mn & 255).to(tl.float32),
+            ((mn >> 8) & 255).to(tl.float32))
+
+
+@triton.jit
+def _irow_pair_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, EMU: tl.constexpr):
+    """`_irow_step` with each thread holding whole sub-block pairs (two 16-byte halves of 4 words, so no sums cross
+    threads): acc [NB, 4] += d (sc s_x sum q X) over both sub-blocks of pair c, accm [NB, 4] += dmin m sum x."""
+    x0, x1, sx_lo, sx_hi, sum_lo, sum_hi = xt
+    bo = off + (kb + tl.arange(0, NB)) * 36  # [NB]
+    qo = bo[:, None, None] + 4 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+    q0 = tl.load(wp + qo, mask=ok, other=0)  # [NB, 4, 4]: words 8c + j
+    q1 = tl.load(wp + qo + 4, mask=ok, other=0)  # words 8c + 4 + j
+    s_lo = _dot24_pair(x0, x1, q0, q1, False, EMU)  # [NB, 4]
+    s_hi = _dot24_pair(x0, x1, q0, q1, True, EMU)
+    h0 = tl.load(wp + bo, mask=ok, other=0)
+    h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
+    h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
+    h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
+    d = (_half(h0) * scale)[:, None]
+    dmin = (_half(h0 >> 16) * scale)[:, None]
+    sc_l, sc_h, mn_l, mn_h = _scales_pair(h1, h2, h3, tl.arange(0, 4)[None, :])
+    acc += d * (sc_l * sx_lo * s_lo + sc_h * sx_hi * s_hi)
     accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
     return acc, accm
 
@@ -245,7 +331,9 @@ def _i8_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexp
 
 @triton.jit
 def _itiles(QT: tl.constexpr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.constexpr):
-    if QT == 12:
+    if QT == 12 and T == PAIR:
+        xt = _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB)
+    elif QT == 12:
         xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
     else:
         xt = _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB)
@@ -256,7 +344,9 @@ def _itiles(QT: tl.constexpr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.const
 def _istep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr,
            EMU: tl.constexpr):
     """One row's step in layout QT (Q4_K: 12, Q6I: 2014, Q8I: 2008) -> (acc, accm)."""
-    if QT == 12:
+    if QT == 12 and T == PAIR:
+        acc, accm = _irow_pair_step(wp, off, ok, kb, xt, scale, acc, accm, NB, EMU)
+    elif QT == 12:
         acc, accm = _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB, T, EMU)
     elif QT == 2014:
         acc = _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, EMU)
@@ -270,7 +360,9 @@ def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr
     accs = ()
     accms = ()
     for _r in tl.static_range(R):
-        if QT == 12:
+        if QT == 12 and T == PAIR:
+            accs = accs + (tl.zeros([NB, 4], dtype=tl.float32),)
+        elif QT == 12:
             accs = accs + (tl.zeros([NB, 4, 8 // T], dtype=tl.float32),)
         else:
             accs = accs + (tl.zeros([NB, 16], dtype=tl.float32),)
@@ -279,8 +371,10 @@ def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr
 
 
 @triton.jit
-def _itotal_qt(QT: tl.constexpr, acc, accm):
-    if QT == 12:
+def _itotal_qt(QT: tl.constexpr, acc, accm, T: tl.constexpr):
+    if QT == 12 and T == PAIR:
+        v = tl.sum(tl.sum(acc - accm, axis=1), axis=0)
+    elif QT == 12:
         v = _total(acc, accm)  # wmatvec's: Q4_K's acc [NB, 4, S] less the min terms accm [NB, 4]
     else:
         v = tl.sum(tl.sum(acc, axis=1), axis=0)
@@ -320,7 +414,7 @@ def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_pt
                              xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
-        v = _itotal_qt(QT, accs[r], accms[r])
+        v = _itotal_qt(QT, accs[r], accms[r], T)
         if HAS_RES:
             v += tl.load(res_ptr + row, mask=row < M, other=0.0)
         tl.store(out_ptr + row, v, mask=row < M)
@@ -378,8 +472,8 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
             num = num + (am,)
         ga, gm, ua, um = nga, ngm, nua, num
     for r in tl.static_range(R):
-        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal_qt(QT, ga[r], gm[r]), _itotal_qt(QT, ua[r], um[r]),
-                 ACT, PERM_OUT)
+        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal_qt(QT, ga[r], gm[r], T),
+                 _itotal_qt(QT, ua[r], um[r], T), ACT, PERM_OUT)
     if H24:
         _quantize_h_group(out_ptr + sel * stride_out, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R)
 
@@ -403,17 +497,17 @@ def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_
                                  tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
-        v = _itotal_qt(QT, accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        v = _itotal_qt(QT, accs[r], accms[r], T) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
 
 QUANT_BLOCK = 8  # groups of 32 per quantizer program
-# T: consecutive qs words a thread holds (8: two 16-byte loads per row and block, the sub-block's scales decoded
-# once). Tiles measured on the H200 at OLMoE sizes (bench_qmatvec --itiles, us; NOTES.md 7n): attention 2048 x 2048
-# 3.62 at 2 rows (4.35 on the word kernel), gate+up 10.05 at 4 (13.22), down 8.89 at 2 (11.21), a 50304-row
-# output 23.9 at 4 (34.0)
+# T: Q4_K's words per thread (see PAIR). 8, measured: Triton gives a thread 4 of them (one 16-byte load per row and
+# block) and two threads sum a sub-block pair; PAIR_WORDS is prepared, not yet timed (NOTES.md 7q). Tiles measured on
+# the H200 at OLMoE sizes (bench_qmatvec --itiles, us; NOTES.md 7n): attention 2048 x 2048 3.62 at 2 rows (4.35 on
+# the word kernel), gate+up 10.05 at 4 (13.22), down 8.89 at 2 (11.21), a 50304-row output 23.9 at 4 (34.0)
 WORDS_PER_THREAD = 8
 ITILES = {("mv", Q4_K): WTile(2, 8), ("mv_big", Q4_K): WTile(4, 8), ("gate_up", Q4_K): WTile(4, 8),
           ("down", Q4_K): WTile(2, 4),
