@@ -217,11 +217,14 @@ def test_moe_down_i_bytes(qtype, tile, device, rng) -> None:
     check_bound(out, ref, bound, seed, f"{T(qtype).name} idown tile={tile}")
 
 
-@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)]
-                         + [(t, ik.PAIR_WORDS) for t in (None, wk.WTile(1, 1), wk.WTile(2, 4, 2, 2))], ids=str)
-def test_moe_down_i(tile, words, device, rng) -> None:
+@pytest.mark.parametrize("tile,words,f", [(t, ik.WORDS_PER_THREAD, 768) for t in TILES] + [(None, 4, 768)]
+                         + [(t, ik.PAIR_WORDS, f) for t in (None, wk.WTile(1, 1), wk.WTile(2, 4, 2, 2))
+                            for f in (768, 1024)], ids=str)
+def test_moe_down_i(tile, words, f, device, rng) -> None:
+    """The pair path puts several experts side by side (F = 768: 4 per step, F = 1024 at 4 blocks: 2, so 3
+    selected experts leave a padding one)."""
     gen, seed = rng
-    e, n, f = 5, 37, 768
+    e, n = 5, 37
     w, dw = quant_weights(Q4_K, (e, n), f, gen, device)
     for ids_list, dtype in [([3, 0, 3], torch.int32), ([1], torch.int64)]:
         n_sel = len(ids_list)

@@ -210,10 +210,11 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
 
 
 @triton.jit
-def _ix_half(xh_ptr, xl_ptr, blk, H: tl.constexpr):
-    """x24 for qs words 8c + 4H + j (j < 4) of blocks blk [NB] (the pair path): the int16 pairs (a, b) and lo bytes
-    (u) of the low nibbles' weights 64c + 4(4H + j) + 0..3, then of the high nibbles' (+32), [NB, 4, 4] int32 each."""
-    xo = blk[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16 + 4 * H + tl.arange(0, 4)[None, None, :]
+def _ix_half(xh_ptr, xl_ptr, xblk, H: tl.constexpr):
+    """x24 for qs words 8c + 4H + j (j < 4) of the x blocks xblk [NB] (256 values each; the pair path): the int16
+    pairs (a, b) and lo bytes (u) of the low nibbles' weights 64c + 4(4H + j) + 0..3, then of the high nibbles'
+    (+32), [NB, 4, 4] int32 each."""
+    xo = xblk[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16 + 4 * H + tl.arange(0, 4)[None, None, :]
     h0 = tl.load(xh_ptr + xo)
     h1 = tl.load(xh_ptr + xo + 8)
     return (h0.to(tl.int32), (h0 >> 32).to(tl.int32), tl.load(xl_ptr + xo),
@@ -221,12 +222,11 @@ def _ix_half(xh_ptr, xl_ptr, blk, H: tl.constexpr):
 
 
 @triton.jit
-def _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr):
-    """x24 of blocks kb .. kb+NB-1 for the pair path: both halves (`_ix_half`), the scales and sums of sub-blocks
+def _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, xblk):
+    """x24 of the x blocks xblk [NB] for the pair path: both halves (`_ix_half`), the scales and sums of sub-blocks
     2c / 2c + 1 [NB, 4]."""
-    blk = kb + tl.arange(0, NB)
-    sb = blk[:, None] * 8 + 2 * tl.arange(0, 4)[None, :]
-    return (_ix_half(xh_ptr, xl_ptr, blk, 0), _ix_half(xh_ptr, xl_ptr, blk, 1),
+    sb = xblk[:, None] * 8 + 2 * tl.arange(0, 4)[None, :]
+    return (_ix_half(xh_ptr, xl_ptr, xblk, 0), _ix_half(xh_ptr, xl_ptr, xblk, 1),
             tl.load(xs_ptr + sb), tl.load(xs_ptr + sb + 1), tl.load(xsum_ptr + sb), tl.load(xsum_ptr + sb + 1))
 
 
@@ -268,11 +268,12 @@ def _scales_pair(h1, h2, h3, c):
 
 
 @triton.jit
-def _irow_pair_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, EMU: tl.constexpr):
+def _irow_pair_step(wp, bo, ok, xt, scale, acc, accm, EMU: tl.constexpr):
     """`_irow_step` with each thread holding whole sub-block pairs (two 16-byte halves of 4 words, so no sums cross
-    threads): acc [NB, 4] += d (sc s_x sum q X) over both sub-blocks of pair c, accm [NB, 4] += dmin m sum x."""
+    threads) of Q4_K blocks starting at words bo [NB] from wp, against x tiles xt (`_ix_pairs`): acc [NB, 4] +=
+    d (sc s_x sum q X) over both sub-blocks of pair c, accm [NB, 4] += dmin m sum x; d and dmin times scale
+    (a scalar or [NB])."""
     x0, x1, sx_lo, sx_hi, sum_lo, sum_hi = xt
-    bo = off + (kb + tl.arange(0, NB)) * 36  # [NB]
     qo = bo[:, None, None] + 4 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
     q0 = tl.load(wp + qo, mask=ok, other=0)  # [NB, 4, 4]: words 8c + j
     q1 = tl.load(wp + qo + 4, mask=ok, other=0)  # words 8c + 4 + j
@@ -289,6 +290,33 @@ def _irow_pair_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, EMU
     accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
     return acc, accm
 
+
+@triton.jit
+def _idown_pairs(w_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, row0, N, stride_e, accs, accms,
+                 SW: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                 EP: tl.constexpr, EMU: tl.constexpr):
+    """Q4_K down on the pair path: rows row0 .. row0+R-1 of EP experts at a time, NB blocks each, as one [EP NB]
+    axis of blocks (so 1024-wide experts still fill a warp); the routing weight folded into each block's scales
+    (0 for the padding experts past N_SEL, which repeat the last one)."""
+    j = tl.arange(0, EP * NB)
+    e_j = j // NB
+    for i0 in range(0, N_SEL, EP):
+        sel = tl.minimum(i0 + e_j, N_SEL - 1)  # [EP NB] h row (selected expert) of each block
+        wt = tl.where(i0 + e_j < N_SEL, tl.load(wts_ptr + sel), 0.0)
+        base = tl.load(ids_ptr + sel).to(tl.int64) * stride_e + row0.to(tl.int64) * SW
+        for kb in range(0, N_BLOCKS, NB):
+            blk = kb + j % NB
+            xt = _ix_pairs(hh_ptr, hl_ptr, hs_ptr, hsum_ptr, sel * N_BLOCKS + blk)
+            new_accs = ()
+            new_accms = ()
+            for r in tl.static_range(R):
+                a, am = _irow_pair_step(w_ptr, base + r * SW + blk * 36, row0 + r < N, xt, wt, accs[r], accms[r],
+                                        EMU)
+                new_accs = new_accs + (a,)
+                new_accms = new_accms + (am,)
+            accs = new_accs
+            accms = new_accms
+    return accs, accms
 
 @triton.jit
 def _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB: tl.constexpr):
@@ -332,7 +360,7 @@ def _i8_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexp
 @triton.jit
 def _itiles(QT: tl.constexpr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.constexpr):
     if QT == 12 and T == PAIR:
-        xt = _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB)
+        xt = _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb + tl.arange(0, NB))
     elif QT == 12:
         xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
     else:
@@ -345,7 +373,7 @@ def _istep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, accm, NB: 
            EMU: tl.constexpr):
     """One row's step in layout QT (Q4_K: 12, Q6I: 2014, Q8I: 2008) -> (acc, accm)."""
     if QT == 12 and T == PAIR:
-        acc, accm = _irow_pair_step(wp, off, ok, kb, xt, scale, acc, accm, NB, EMU)
+        acc, accm = _irow_pair_step(wp, off + (kb + tl.arange(0, NB)) * 36, ok, xt, scale, acc, accm, EMU)
     elif QT == 12:
         acc, accm = _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB, T, EMU)
     elif QT == 2014:
@@ -481,25 +509,30 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
 @triton.jit
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
                   stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EP: tl.constexpr, EMU: tl.constexpr):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
-    weight folded into the scales, experts summed in order."""
+    weight folded into the scales, experts summed in order (Q4_K's pair path: EP experts side by side)."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
-    accs, accms = _izeros(QT, R, NB, T)
-    for i in range(N_SEL):
-        eid = tl.load(ids_ptr + i).to(tl.int64)
-        start = eid * stride_e + row0.to(tl.int64) * SW
-        xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
-        accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N, hh_ptr + xo,
-                                 hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS), hsum_ptr + i * (8 * N_BLOCKS),
-                                 tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
+    if QT == 12 and T == PAIR:
+        accs, accms = _izeros(QT, R, EP * NB, T)
+        accs, accms = _idown_pairs(w_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, row0, N, stride_e,
+                                   accs, accms, SW, N_BLOCKS, N_SEL, R, NB, EP, EMU)
+    else:
+        accs, accms = _izeros(QT, R, NB, T)
+        for i in range(N_SEL):
+            eid = tl.load(ids_ptr + i).to(tl.int64)
+            start = eid * stride_e + row0.to(tl.int64) * SW
+            xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
+            accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
+                                     hh_ptr + xo, hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS),
+                                     hsum_ptr + i * (8 * N_BLOCKS), tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS,
+                                     R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r], T) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
-
 
 # ---------------------------------------------------------------------------------------------- wrappers
 
@@ -632,8 +665,10 @@ def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.T
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))
+    # pair path: enough experts side by side for each thread of the program to hold a sub-block pair
+    ep = 1 if words != PAIR_WORDS else min(triton.next_power_of_2(n_sel), max(1, 8 * t.num_warps // t.nb))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EP=ep, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out
