@@ -133,15 +133,26 @@ class Case:
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in launches]
 
     def ifns(self, tile: W.WTile | None, words: int) -> list[Callable[[], object]]:
-        """The integer-dot Q4_K kernels (imatvec.py) on the same launches; x quantized once outside the timed region."""
+        """The integer-dot kernels (imatvec.py) on the same launches; x quantized once and the weights copied into
+        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region."""
         xq = I.quantize_x24(self.x)
+        qt, copy = self.qtype, I.COPIES.get(self.qtype)
+        done: dict[int, torch.Tensor] = self.__dict__.setdefault("_icopies", {})  # each weight tensor copied once
+
+        def c(w: torch.Tensor | None) -> torch.Tensor | None:
+            return w if w is None or copy is None else done.setdefault(id(w), copy(w))
+
+        ws = [c(w) for w in getattr(self, "ws", [])]
+        launches = [(c(w), c(w2), i) for w, w2, i in getattr(self, "launches", [])]
         if self.kind == "mv":
-            return [lambda w=w: I.qmatvec_i(w, xq, self.out, self.res, tile=tile, words=words) for w in self.ws]
+            return [lambda w=w: I.qmatvec_i(w, xq, self.out, self.res, tile=tile, words=words, qtype=qt) for w in ws]
         if self.kind == "gate_up":
-            return [lambda w=w, w2=w2, i=i: I.moe_gate_up_i(w, w2, xq, i, self.out, "silu", tile=tile, words=words)
-                    for w, w2, i in self.launches]
-        return [lambda w=w, i=i: I.moe_down_i(w, xq, i, self.wts, self.res, self.out, tile=tile, words=words)
-                for w, _, i in self.launches]
+            return [lambda w=w, w2=w2, i=i: I.moe_gate_up_i(w, w2, xq, i, self.out, "silu", tile=tile, words=words,
+                                                            qtype=qt)
+                    for w, w2, i in launches]
+        return [lambda w=w, i=i: I.moe_down_i(w, xq, i, self.wts, self.res, self.out, tile=tile, words=words,
+                                              qtype=qt)
+                for w, _, i in launches]
 
     def icheck(self, tile: W.WTile | None, words: int) -> float:
         """Largest |integer - word kernel| / max |word kernel| over one launch (same weights and x)."""
@@ -165,7 +176,7 @@ class Case:
         return [lambda w=w: torch.mv(w, x, out=out) for w in ws], 2 * m * k
 
     def free(self) -> None:
-        for a in ("ws", "launches"):
+        for a in ("ws", "launches", "_icopies"):
             if hasattr(self, a):
                 delattr(self, a)
 
@@ -201,7 +212,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try a grid of tiles per case")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--itiles", default="",
-                    help="Q4_K integer-dot tiles to time: RxNBxWARPSxSTAGES[xWORDS] or default ('' = none)")
+                    help="integer-dot tiles to time (Q4_K, Q6_K, Q8_0): RxNBxWARPSxSTAGES[xWORDS] (Q4_K's words per "
+                         "thread: 4, 8, or 16 for whole sub-block pairs) or default ('' = none)")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
@@ -256,7 +268,7 @@ def main() -> None:
                     print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
                           f"{layout}", flush=True)
                     torch.cuda.empty_cache()
-            for spec in [w for w in args.itiles.split(",") if w] if qt == int(T.Q4_K) else []:
+            for spec in [w for w in args.itiles.split(",") if w] if qt in I.LAYOUTS else []:
                 parts = [] if spec == "default" else [int(v) for v in spec.split("x")]
                 words = parts[4] if len(parts) > 4 else I.WORDS_PER_THREAD
                 it = W.WTile(*parts[:4]) if parts else None
