@@ -1,8 +1,9 @@
 """Integer-dot Q4_K kernels (kernels/triton/imatvec.py) against float64 products of gguf's dequantized weights.
 
 Two references per product: the float64 product with x24's dequantized x (what the kernel computes, up to float32
-rounding: RTOL of sum |w| |x|) and with the original x (x's 24-bit rounding: at most 2^-24 of each group's largest
-value per element, so well inside RTOL too). Without a GPU the kernels run in Triton's interpreter.
+rounding: RTOL of sum |w| |x|) and with the original x (x's 24-bit rounding: under 2^-22 of each group's largest
+value per element, float32's roundings in the quantizer included, so well inside RTOL too). Without a GPU the kernels
+run in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def test_quantize_x24_bound(device, rng) -> None:
     x[2, 64] = -x[2, 64:96].abs().max() * 1.5  # the group's largest value negative: X = -(2^23 - 1)
     xq, xd = _x24(x, device)
     big = x.abs().reshape(3, 3, 32).amax(-1, keepdim=True).expand(3, 3, 32).reshape(3, 96)
-    assert ((xd - x.double()).abs() <= big.double() * 2.0 ** -23).all(), f"seed {seed}"
+    # half a step s = max / (2^23 - 1) from rounding, and the quantizer's float32 roundings (of 1 / s, of x / s near
+    # 2^23, of s itself) up to ~1.3 more: 1.47 and 1.53 steps seen (CI seeds 3852666082037259362, 9891836488364108355)
+    err = (xd - x.double()).abs() / (big.double() * 2.0 ** -23)
+    assert (err[big > 0] <= 2.0).all(), f"seed {seed}: {err[big > 0].max():.3f} steps"
     assert (xq.hi.cpu()[1, 32:64] == 0).all() and (xq.lo.cpu()[1, 32:64] == 0).all() and xq.s.cpu()[1, 1] == 0
-    assert int(xq.hi.cpu()[2, 64]) * 256 + int(xq.lo.cpu()[2, 64]) == -(2 ** 23 - 1)
+    assert -(2 ** 23 - 1) <= int(xq.hi.cpu()[2, 64]) * 256 + int(xq.lo.cpu()[2, 64]) <= -(2 ** 23 - 2)
 
 
 @pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4), (wk.WTile(1, 2), 4)]
