@@ -101,20 +101,23 @@ for stage in "$@"; do
       done
       rm -f "$f" ;;
     ab:*)  # same-call A/B of package trees: abtree/NAME/moerun for each NAME in AB_TREES (default "base var"; "."
-      # is this tree): one eager profile each, then tg128 in the order AB_TREES, AB_TREES (the repeat is the noise)
+      # is this tree): one eager profile each, then tg128 in the order AB_TREES, AB_TREES (the repeat is the noise);
+      # AB_OPS: the decode ops (--ops) of every tree
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; trees=${AB_TREES:-base var}; root=$PWD
       [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
         2>&1 | tail -1
       for tree in ${AB_PROFILE-$trees}; do  # AB_PROFILE: the trees to profile (default all; "" none)
         d=$PWD; [ "$tree" = . ] || d=$PWD/abtree/$tree
         echo "--- profile $tree" | tee -a "$LOG"
-        (cd "$d" && PYTHONPATH=$d:/tmp/site timeout 200 python3 "$root/benchmarks/profile_decode.py" "$f" --decode eager 2>&1 \
+        (cd "$d" && PYTHONPATH=$d:/tmp/site timeout 200 python3 "$root/benchmarks/profile_decode.py" "$f" --decode eager \
+          ${AB_OPS:+--ops "$AB_OPS"} 2>&1 \
           | grep -v "loading to" | head -${PROFILE_LINES:-18} | tee -a "$LOG")
       done
       for tree in $trees $trees; do
         d=$PWD; [ "$tree" = . ] || d=$PWD/abtree/$tree
         echo "--- tg $tree" | tee -a "$LOG"
-        (cd "$d" && PYTHONPATH=$d:/tmp/site bench "$f" "olmoe-1b-7b-$t-${tree//./this}-tg" -p 0 -n 128 -r 5 -d ${DEPTHS:-0})
+        (cd "$d" && PYTHONPATH=$d:/tmp/site bench "$f" "olmoe-1b-7b-$t-${tree//./this}-tg" -p 0 -n 128 -r 5 -d ${DEPTHS:-0} \
+          ${AB_OPS:+--ops "$AB_OPS"})
       done ;;
     tg:*|pp:*)  # just the bench: tg128 (words and depth 4096) or pp512 of OLMoE
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf
