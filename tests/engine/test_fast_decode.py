@@ -150,12 +150,12 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors under Triton's interpreter only (on CUDA the tests above run the Triton step)")
-@pytest.mark.parametrize("ops", ["triton", "triton-int-all"])
-def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
+def test_triton_step_in_the_interpreter(tmp_path: Path) -> None:
     """The Triton ops' step on the CPU under Triton's interpreter (about a minute a step): two steps of synth's tiny
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
-    quantized by its producers) end to end; triton-int-all: with the prepared variants (Q4_K's pair path)."""
+    quantized by its producers) end to end. (With ops="triton-int-all" it runs the prepared variants the same way, ~6
+    more minutes: passed at fd93954, left out of CI for time.)"""
     from moerun.synth import synthesize
 
     path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
@@ -163,7 +163,7 @@ def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     tokens = [5, 17]
     ref = Engine(path, fast=False, **kw).forward(tokens)
-    eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
+    eng = Engine(path, fast=True, ops="triton", graph=False, **kw)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
