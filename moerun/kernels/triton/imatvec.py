@@ -187,6 +187,17 @@ def _dot24(xa, xb, xu, q, AX: tl.constexpr, SIGNED: tl.constexpr, EMU: tl.conste
 
 
 @triton.jit
+def _q4k_header(wp, bo, ok, scale):
+    """The headers of the Q4_K blocks starting at words bo [NB] from wp: d and dmin times scale (a scalar or [NB])
+    and the three scale words h1-h3, each [NB, 1]."""
+    h0 = tl.load(wp + bo, mask=ok, other=0)
+    h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
+    h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
+    h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
+    return (_half(h0) * scale)[:, None], (_half(h0 >> 16) * scale)[:, None], h1, h2, h3
+
+
+@triton.jit
 def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
     """One row's blocks kb..: acc [NB, 4, S] += d sc s_x sum q X per sub-block (low and high nibbles),
     accm [NB, 4] += dmin m sum x; the row's dot product is sum(acc) - sum(accm)."""
@@ -195,12 +206,7 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
     qs = tl.load(wp + (bo[:, None, None, None] + 4 + _cidx(T, 8)[None]), mask=ok, other=0)  # [NB, 4, S, T]
     s_lo = _dot24(a0, b0, u0, qs & 0x0F0F0F0F, 3, False, EMU)  # [NB, 4, S]
     s_hi = _dot24(a1, b1, u1, (qs >> 4) & 0x0F0F0F0F, 3, False, EMU)
-    h0 = tl.load(wp + bo, mask=ok, other=0)
-    h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
-    h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
-    h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
-    d = (_half(h0) * scale)[:, None]
-    dmin = (_half(h0 >> 16) * scale)[:, None]
+    d, dmin, h1, h2, h3 = _q4k_header(wp, bo, ok, scale)
     c2 = 2 * tl.arange(0, 4)[None, :]
     sc_l, mn_l = _scale_min(h1, h2, h3, c2)  # [NB, 4]
     sc_h, mn_h = _scale_min(h1, h2, h3, c2 + 1)
@@ -279,12 +285,7 @@ def _irow_pair_step(wp, bo, ok, xt, scale, acc, accm, EMU: tl.constexpr):
     q1 = tl.load(wp + qo + 4, mask=ok, other=0)  # words 8c + 4 + j
     s_lo = _dot24_pair(x0, x1, q0, q1, False, EMU)  # [NB, 4]
     s_hi = _dot24_pair(x0, x1, q0, q1, True, EMU)
-    h0 = tl.load(wp + bo, mask=ok, other=0)
-    h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
-    h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
-    h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
-    d = (_half(h0) * scale)[:, None]
-    dmin = (_half(h0 >> 16) * scale)[:, None]
+    d, dmin, h1, h2, h3 = _q4k_header(wp, bo, ok, scale)
     sc_l, sc_h, mn_l, mn_h = _scales_pair(h1, h2, h3, tl.arange(0, 4)[None, :])
     acc += d * (sc_l * sx_lo * s_lo + sc_h * sx_hi * s_hi)
     accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
