@@ -106,7 +106,7 @@ class TritonOps:
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
-        if x24 is not None and self.ints(qtype, x.shape[-1], "mv") and ik.takes(qtype, w, x.shape[-1]):
+        if x24 is not None and self.ints_take(qtype, "mv", w, x.shape[-1]):
             return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, words=self.int_words)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
@@ -126,8 +126,8 @@ class TritonOps:
         if route is not None and route.logits.shape[-1] > dk.ROUTE_MAX_E:  # too many experts to rank in gate/up
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             route = None
-        if (x24 is not None and qtype_gate == qtype_up and self.ints(qtype_gate, k, "gate_up")
-                and ik.takes(qtype_gate, w_gate, k) and ik.takes(qtype_up, w_up, k)):
+        if (x24 is not None and qtype_gate == qtype_up and self.ints_take(qtype_gate, "gate_up", w_gate, k)
+                and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
                                     counters=cnt, qtype=qtype_gate, words=self.int_words)
@@ -145,7 +145,7 @@ class TritonOps:
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
-        if h_x24 is not None and self.ints(qtype, h.shape[-1], "down") and ik.takes(qtype, w_down, h.shape[-1]):
+        if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
             return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype, words=self.int_words)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
