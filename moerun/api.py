@@ -234,31 +234,40 @@ class Model:
         stats.prompt_s = time.perf_counter() - t0
         self._cached = fed = list(tokens)
         text, cut = _Utf8Stream(tok), StopBuffer(stops)
-        while True:
-            if max_tokens >= 0 and stats.n_gen >= max_tokens:
-                stats.stop = "length"
-                break
-            if not ignore_eos and next_id in tok.eog_ids:
-                stats.stop = "eog"
-                break
-            stats.n_gen += 1
-            piece = cut.push(text.feed(next_id))
-            if piece:
-                yield piece
-            if cut.stopped:
-                stats.stop = "stop"
-                break
-            if eng.n_past >= eng.n_ctx:
-                stats.stop = "context"
-                break
-            if max_tokens >= 0 and stats.n_gen >= max_tokens:
-                stats.stop = "length"
-                break
-            t0 = time.perf_counter()
-            fed_id, next_id = next_id, eng.decode(next_id)
-            stats.decode_s += time.perf_counter() - t0
-            stats.n_decode += 1
-            fed.append(fed_id)
+        steps: Iterator[int] | None = None  # eng.decode_stream from the first generated token
+        try:
+            while True:
+                if max_tokens >= 0 and stats.n_gen >= max_tokens:
+                    stats.stop = "length"
+                    break
+                if not ignore_eos and next_id in tok.eog_ids:
+                    stats.stop = "eog"
+                    break
+                stats.n_gen += 1
+                piece = cut.push(text.feed(next_id))
+                if piece:
+                    yield piece
+                if cut.stopped:
+                    stats.stop = "stop"
+                    break
+                if eng.n_past >= eng.n_ctx:
+                    stats.stop = "context"
+                    break
+                if max_tokens >= 0 and stats.n_gen >= max_tokens:
+                    stats.stop = "length"
+                    break
+                t0 = time.perf_counter()
+                if steps is None:  # as many steps as max_tokens and the context allow
+                    room = eng.n_ctx - eng.n_past
+                    steps = eng.decode_stream(next_id, min(max_tokens - stats.n_gen, room) if max_tokens >= 0
+                                              else room)
+                fed_id, next_id = next_id, next(steps)
+                stats.decode_s += time.perf_counter() - t0
+                stats.n_decode += 1
+                fed.append(fed_id)
+        finally:
+            if steps is not None:
+                steps.close()  # a step queued ahead and not used is discarded
         if not cut.stopped:
             rest = cut.push(text.flush()) + cut.flush()
             if rest:

@@ -3,8 +3,10 @@
 Definitions (the same as llama-bench's):
 
 - ppN: one forward pass of an N-token prompt (random token ids), `Engine.forward(..., last_only=True)`.
-- tgN: N single-token steps at positions depth..depth+N-1, each `Engine.decode` -- the step `generate`
-  uses: logits, the token chosen on the device, the chosen id copied to the host before the next step.
+- tgN: N single-token steps at positions depth..depth+N-1 through `Engine.decode_stream`, as `generate`
+  runs them: logits, the token chosen on the device and its id copied to the host for every step; the
+  next step is queued before the host waits for that copy (llama-bench waits after each step instead:
+  `--tg-loop step`, `Engine.decode` per step).
 - depth d: the KV cache is filled with d random tokens (untimed) before the timed part.
 - Each repetition starts from `Engine.reset()`; `warmup` untimed repetitions run first (ppN: at least
   two when warming up at all: the engine captures a prompt length's CUDA graph on its second run);
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from moerun.models.config import ModelConfig
 
 GiB = 1 << 30
+TG_LOOPS = ("stream", "step")  # time_tg's loops
 _SIZE_WORDS = {"S": "Small", "M": "Medium", "L": "Large"}
 
 
@@ -96,6 +99,7 @@ class Report:
     bandwidth: dict[str, Any]
     results: list[TestResult] = field(default_factory=list)
     system: dict[str, Any] = field(default_factory=dict)
+    tg_loop: str = "stream"  # tgN's loop: "stream" (Engine.decode_stream) or "step" (Engine.decode, waits each)
 
 
 # ---- test plan ---------------------------------------------------------------------------------
@@ -253,25 +257,37 @@ def time_pp(engine: Engine, n: int, depth: int, gen: torch.Generator) -> float:
     return perf_counter() - t0
 
 
-def time_tg(engine: Engine, n: int, depth: int, gen: torch.Generator) -> float:
-    """Seconds of n decode steps at positions depth..depth+n-1 (each step's token reaches the host)."""
+def time_tg(engine: Engine, n: int, depth: int, gen: torch.Generator, loop: str = "stream") -> float:
+    """Seconds of n decode steps at positions depth..depth+n-1, each step's token reaching the host. loop
+    "stream": as `generate` runs them (`decode_stream`: the next step queued before the host waits for the
+    token); "step": `decode` one at a time, the host waiting for each token before it queues the next step."""
     _fill(engine, gen, depth)
     tok = _random_tokens(gen, engine.cfg.n_vocab, 1)[0]
     sync(engine.device)
     t0 = perf_counter()
-    for _ in range(n):
-        tok = engine.decode(tok)
+    if loop == "stream":
+        for _ in engine.decode_stream(tok, n):
+            pass
+    else:
+        for _ in range(n):
+            tok = engine.decode(tok)
     sync(engine.device)
     return perf_counter() - t0
 
 
-def run_test(engine: Engine, spec: TestSpec, reps: int, warmup: int = 1, seed: int = 0) -> list[float]:
+def run_test(engine: Engine, spec: TestSpec, reps: int, warmup: int = 1, seed: int = 0,
+             tg_loop: str = "stream") -> list[float]:
     """`warmup` untimed then `reps` timed repetitions of `spec` -> seconds of each timed one."""
     gen = torch.Generator().manual_seed(seed)
-    timer = time_pp if spec.kind == "pp" else time_tg
+
+    def timer() -> float:
+        if spec.kind == "pp":
+            return time_pp(engine, spec.n, spec.depth, gen)
+        return time_tg(engine, spec.n, spec.depth, gen, tg_loop)
+
     for _ in range(max(warmup, 2) if spec.kind == "pp" and warmup else warmup):
-        timer(engine, spec.n, spec.depth, gen)
-    return [timer(engine, spec.n, spec.depth, gen) for _ in range(reps)]
+        timer()
+    return [timer() for _ in range(reps)]
 
 
 # ---- the whole run -----------------------------------------------------------------------------
@@ -298,10 +314,13 @@ def cache_element_size(engine: Engine) -> float:
 
 
 def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int = 1, seed: int = 0,
-          bandwidth: dict[str, Any] | None = None, bandwidth_bytes: int = GiB) -> Report:
-    """Run `tests` on `engine` and derive t/s, GB/s and % of the roofline; bandwidth measured unless given."""
+          bandwidth: dict[str, Any] | None = None, bandwidth_bytes: int = GiB, tg_loop: str = "stream") -> Report:
+    """Run `tests` on `engine` and derive t/s, GB/s and % of the roofline; bandwidth measured unless given.
+    tg_loop: "stream" or "step" (`time_tg`)."""
     if reps < 1:
         raise MoerunError(f"repetitions must be >= 1, got {reps}")
+    if tg_loop not in TG_LOOPS:
+        raise MoerunError(f"unknown tg loop {tg_loop!r}; use one of {', '.join(TG_LOOPS)}")
     need = max((t.depth + t.n for t in tests), default=0)
     if need > engine.n_ctx:
         raise MoerunError(f"the tests need {need} positions but the engine's context size is {engine.n_ctx}")
@@ -315,9 +334,9 @@ def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int =
         params=sum(math.prod(t.shape) for t in file.tensors.values()),
         backend="CUDA" if engine.device.type == "cuda" else engine.device.type.upper(),
         device=str(engine.device), dtype=_dtypes(engine),
-        kernel_paths=engine.kernel_paths(), bandwidth=bw, system=system_info(engine.device))
+        kernel_paths=engine.kernel_paths(), bandwidth=bw, system=system_info(engine.device), tg_loop=tg_loop)
     for spec in tests:
-        times = run_test(engine, spec, reps, warmup, seed)
+        times = run_test(engine, spec, reps, warmup, seed, tg_loop)
         tps = [spec.n / t for t in times]
         med = statistics.median(tps)
         r = TestResult(test=spec.name, kind=spec.kind, n=spec.n, depth=spec.depth, times_s=times, tps=tps,
@@ -365,7 +384,8 @@ def markdown(report: Report) -> str:
     bw = report.bandwidth
     commit, src = report.system.get("commit", "unknown"), report.system.get("source_sha")
     foot = (f"\nbuild: {commit}{f' (source {src})' if src else ''} | {report.system.get('gpu_name') or report.device}"
-            f" | {report.dtype} | bandwidth {bw['gbps']:.1f} GB/s ({bw['copy_bytes'] / GiB:.2f} GiB device copy)")
+            f" | {report.dtype} | tg loop {report.tg_loop}"
+            f" | bandwidth {bw['gbps']:.1f} GB/s ({bw['copy_bytes'] / GiB:.2f} GiB device copy)")
     return "\n".join([line(head), rule, *(line(r) for r in rows)]) + "\n" + foot
 
 

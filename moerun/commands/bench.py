@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moerun.errors import MoerunError
-from moerun.kernels.ops import OPS_NAMES
+from moerun.kernels.ops import FEATURES, parse_ops
 
 NAME = "bench"
 HELP = "measure prompt (ppN) and generation (tgN) speed like llama-bench, with GB/s and % of the roofline"
@@ -46,18 +46,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
                         "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
                         "on CUDA, reference on CPU")
-    p.add_argument("--ops", choices=[*OPS_NAMES, "torch"], default=None,
-                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K on the integer-dot kernels "
-                        "for the q/k/v, output and gate/up products, the word kernels for the rest), triton-words "
-                        "(Q4_K on the word kernels only), triton-bytes (every type on the byte-decoding "
-                        "matvecs), triton-unpadded (the Q6_K matrices on the file's rows, no one-byte-per-value "
-                        "copy), triton-int-all (also the integer kernels not yet timed: Q8_0, Q6_K gate/up), torch "
-                        "(plain-torch twins)")
+    p.add_argument("--ops", type=_ops_name, default=None, metavar="OPS[+FEATURE...]",
+                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K and Q6_K on the integer-dot "
+                        "kernels where measured faster, the word kernels for the rest), triton-words (Q4_K on the "
+                        "word kernels only), triton-unpadded (also the Q6_K matrices on the file's rows, no "
+                        "one-byte-per-value copy), triton-bytes (every type on the byte-decoding matvecs), torch "
+                        "(plain-torch twins); variants not yet measured faster go after '+': "
+                        + "; ".join(f"{k} ({v})" for k, v in FEATURES.items())
+                        + "; triton-int-all = triton+allint+pair")
+    p.add_argument("--tg-loop", choices=["stream", "step"], default="stream",
+                   help="tgN's loop: stream (default; as generation runs: each step's token reaches the host while "
+                        "the next step is already queued) or step (llama-bench's: the host waits for each token "
+                        "before it queues the next step)")
     p.add_argument("--prefill", choices=["auto", "fast", "reference"], default="auto",
                    help="prompt path: batched Triton GEMMs (fast) or plain torch (reference); "
                         "default auto = fast on CUDA, reference on CPU")
     p.add_argument("--prefill-dtype", default=None,
                    help="matrix inputs of the fast prefill: bfloat16 (default on CUDA) or float32 (exact)")
+
+
+def _ops_name(name: str) -> str:
+    """--ops: a name `make_ops` takes, checked before the model loads."""
+    if name != "torch":
+        try:
+            parse_ops(name)
+        except MoerunError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -97,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                     ops=args.ops, **prefill, **DECODE_PATHS[args.decode])
     try:
         report = bench.bench(engine, tests, reps=args.repetitions, warmup=args.warmup, seed=args.seed,
-                             bandwidth_bytes=int(args.bandwidth_gib * bench.GiB))
+                             bandwidth_bytes=int(args.bandwidth_gib * bench.GiB), tg_loop=args.tg_loop)
     finally:
         engine.close()
     data = bench.to_json(report)

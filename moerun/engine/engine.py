@@ -183,7 +183,7 @@ class Engine:
     @torch.inference_mode()
     def decode(self, token: int) -> int:
         """One generation step: `token` at position n_past -> the next token (chosen on the device;
-        only the chosen id reaches the host). The step `generate` and `moerun bench`'s tgN both use."""
+        only the chosen id reaches the host, which waits for it; `decode_stream` does not wait)."""
         if self.fast is None:
             return self._choose(self.forward([token], last_only=True)[-1])
         self._check(1, self.n_past)
@@ -192,6 +192,38 @@ class Engine:
         next_id = self.fast.decode(token, self.n_past)
         self.n_past += 1
         return next_id
+
+    def decode_stream(self, token: int, n: int | None = None) -> Iterator[int]:
+        """`n` chained decode steps from `token` at n_past (None: until the context is full) -> each step's
+        chosen token, the same tokens `decode` would give one by one; n_past counts the tokens handed out.
+        On the fast path step i + 1 is already queued on the device when the host waits for token i
+        (`FastDecoder.stream`), so the GPU does not wait on the host; closing the iterator early discards
+        that step. Call nothing else on the engine until the iterator is exhausted or closed. `generate`,
+        the API's generation loop and `moerun bench`'s tgN run on it."""
+        if n is None:
+            n = self.n_ctx - self.n_past
+        elif n > 0:
+            self._check(n, self.n_past)  # ContextOverflow before any step
+        if n <= 0:
+            return
+        if self.fast is None:
+            for _ in range(n):
+                token = self.decode(token)
+                yield token
+            return
+        if not 0 <= token < self.cfg.n_vocab:
+            raise self._out_of_vocab(token)
+        start = self.n_past
+        steps = self.fast.stream(token, start, n)
+        try:
+            for k in range(n):
+                with torch.inference_mode():
+                    tok = next(steps)
+                self.n_past = start + k + 1
+                yield tok
+        finally:
+            with torch.inference_mode():
+                steps.close()
 
     def _choose(self, logits: torch.Tensor) -> int:
         """logits: [V] -> the chosen token id (greedy, or the sampler's draw)."""
@@ -209,10 +241,14 @@ class Engine:
         if self.sampler is not None:
             self.sampler.start(prompt)
         tok = self.prefill(prompt)
-        for i in range(n):
-            yield tok
-            if i + 1 < n:
-                tok = self.decode(tok)
+        if n <= 0:
+            return
+        yield tok
+        steps = self.decode_stream(tok, n - 1)
+        try:
+            yield from steps
+        finally:
+            steps.close()
 
     def generate_greedy(self, prompt: Sequence[int], n: int) -> list[int]:
         """Greedy continuation of `prompt` as a list of `n` token ids."""

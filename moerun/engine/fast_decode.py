@@ -11,6 +11,7 @@ fused FFN kernels.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,10 @@ class FastDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self._chained: tuple[int, int] | None = None  # (token, pos) the device inputs already hold
         self.use_graph = use_graph and dev.type == "cuda"
+        # `stream`: two host slots for chosen tokens (pinned on CUDA, so the copies are asynchronous) and the
+        # events that say when each was written
+        self._host = torch.zeros(2, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._ready = [torch.cuda.Event() for _ in range(2)] if dev.type == "cuda" else None
 
     def _weights(self, w: ModelWeights) -> None:
         g = w.globals
@@ -267,17 +272,63 @@ class FastDecoder:
         if self._chained != (token, pos):
             self._inputs(token, pos)
         self._chained = None
+        self._launch()
+        return self.next_id
+
+    def _launch(self) -> None:
+        """Queue one step on the inputs the device holds."""
         if self.use_graph:
             self.graph.replay()
         else:
             self._step()
-        return self.next_id
 
     def decode(self, token: int, pos: int) -> int:
         """One step for `token` at `pos` -> the chosen next token (the host waits for it)."""
         nid = int(self.run(token, pos).item())
         self._chained = (nid, pos + 1)  # what the step left in tok / pos on the device
         return nid
+
+    def stream(self, token: int, pos: int, n: int) -> Iterator[int]:
+        """`n` chained steps from `token` at `pos` -> each step's chosen token, as `decode` would give them.
+
+        Step i + 1 is queued before the host waits for step i's token (its inputs are already on the device:
+        each step chains them), so the GPU does not idle while the host reads a token and launches the next
+        step. Each token is copied into one of two host slots behind its step; the host reads slot i % 2 only
+        after step i's copy, and step i + 2's copy is queued only after that read. Closing the iterator after
+        token i discards the queued step i + 1: its cache row (pos + i + 1) is written again by whatever runs
+        there next, and the sampler's counter and history step back (`Sampler.unpush`).
+        """
+        if n <= 0:
+            return
+        queued = done = 0  # steps queued; tokens handed out
+        last = token
+        try:
+            self.run(token, pos)
+            self._copy_token(0)
+            queued = 1
+            while done < n:
+                if queued < n:
+                    self._launch()
+                    self._copy_token(queued % 2)
+                    queued += 1
+                last = self._read_token(done % 2)
+                done += 1
+                yield last
+        finally:
+            if queued > done and self.sampler is not None:
+                self.sampler.unpush()  # the discarded step's draw
+            self._chained = (last, pos + done) if queued == done and done else None
+
+    def _copy_token(self, slot: int) -> None:
+        """Behind the queued step: its chosen token into host slot `slot` (asynchronous on CUDA)."""
+        self._host[slot:slot + 1].copy_(self.next_id, non_blocking=self._ready is not None)
+        if self._ready is not None:
+            self._ready[slot].record()
+
+    def _read_token(self, slot: int) -> int:
+        if self._ready is not None:
+            self._ready[slot].synchronize()
+        return int(self._host[slot])
 
     def _inputs(self, token: int, pos: int) -> None:
         self.tok.fill_(token)

@@ -132,7 +132,8 @@ class Sampler:
 
     Buffers (all on `device`): `_f` [6] f32 = (1/T, top_p, log(min_p), repeat, frequency, presence);
     `_i` [3] int64 = (top_k, repeat_last_n, greedy flag); `seed` [2]; `counter` [1]; `ring` [R] int64
-    (recent tokens, -1 = empty) with `n_pushed` [1] (tokens written so far).
+    (recent tokens, -1 = empty) with `n_pushed` [1] (tokens written so far) and `_prev` [1] (the ring
+    entry the last push overwrote, for `unpush`).
     """
 
     def __init__(self, n_vocab: int, device: str | torch.device, *, n_ctx: int | None = None) -> None:
@@ -159,6 +160,7 @@ class Sampler:
         self.ring = torch.full((size,), -1, device=self.device, dtype=torch.long)   # [R]
         self.slots = torch.arange(size, device=self.device, dtype=torch.long)       # [R]
         self.counts = torch.zeros(self.n_vocab, device=self.device, dtype=torch.float32)  # [V] scratch
+        self._prev = torch.full((1,), -1, device=self.device, dtype=torch.long)  # what the last push overwrote
 
     def _window(self, p: SamplingParams) -> int:
         if p.repeat_last_n == -1:
@@ -263,10 +265,18 @@ class Sampler:
             logits = self._penalise(logits)
         out_id.copy_(self._draw(logits, self.counter.view(1, 1)))
         slot = torch.remainder(self.n_pushed, self.ring.shape[0])                   # [1]
+        self._prev.copy_(self.ring.index_select(0, slot))
         self.ring.index_copy_(0, slot, out_id)
         self.n_pushed.add_(1)
         self.counter.add_(1)
         return out_id
+
+    def unpush(self) -> None:
+        """Undo the last `sample`'s state changes (counter, history ring): the step it ran in was queued
+        ahead and then discarded (`FastDecoder.stream`). Device ops, after that step on the stream."""
+        self.n_pushed.sub_(1)
+        self.counter.sub_(1)
+        self.ring.index_copy_(0, torch.remainder(self.n_pushed, self.ring.shape[0]), self._prev)
 
     def sample_many(self, logits: torch.Tensor, n: int) -> torch.Tensor:
         """`n` independent draws [n] int64 from the same logits [V] (the counters `sample` would use next,

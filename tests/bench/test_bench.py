@@ -94,11 +94,12 @@ def _assert_fill(before: list[tuple], depth: int) -> None:
     assert pos == depth
 
 
+@pytest.mark.parametrize("loop", bench.TG_LOOPS)
 @pytest.mark.parametrize("depth", [0, 7])
 def test_tg_is_n_decode_steps_at_advancing_positions(engine: Engine, monkeypatch: pytest.MonkeyPatch,
-                                                     depth: int) -> None:
+                                                     depth: int, loop: str) -> None:
     rec = Recorder(engine, monkeypatch)
-    times = bench.run_test(engine, bench.TestSpec("tg", 5, depth), reps=3, warmup=1)
+    times = bench.run_test(engine, bench.TestSpec("tg", 5, depth), reps=3, warmup=1, tg_loop=loop)
     reps = rec.repetitions()
     assert len(reps) == 1 + 3  # cache cleared before the warm-up and before every timed repetition
     spans = [_split(rep) for rep in reps]

@@ -179,6 +179,26 @@ def test_ring_wraps() -> None:
     assert _seq(s, _logits(), 1) == [top]
 
 
+def test_unpush_restores_state() -> None:
+    """A draw taken back (`unpush`, a discarded queued step) leaves the counter and the history ring as they
+    were, also where the push overwrote a token still inside the window (window = ring size, ring wrapped),
+    so the next draws are those of a sampler that never made it."""
+    p = SamplingParams(temperature=1.0, repeat_penalty=1.3, repeat_last_n=64, seed=3)
+    s, t = _sampler(p), _sampler(p)
+    assert s.ring.shape[0] == 64
+    hist = [int(v) for v in np.random.default_rng(0).integers(0, len(LOGITS), 70)]
+    s.start(hist)
+    t.start(hist)
+    _seq(s, _logits(), 5)
+    _seq(t, _logits(), 5)
+    before = [x.clone() for x in s.save_state()]
+    _seq(s, _logits(), 1)
+    s.unpush()
+    for a, b in zip(s.save_state(), before, strict=True):
+        assert torch.equal(a, b)
+    assert _seq(s, _logits(), 20) == _seq(t, _logits(), 20)
+
+
 def test_bad_params_raise() -> None:
     for bad in (dict(top_p=-0.1), dict(min_p=1.5), dict(repeat_penalty=0.0), dict(temperature=float("nan")),
                 dict(seed=-2), dict(repeat_last_n=-2)):

@@ -198,6 +198,37 @@ def test_attention_decode_x24_out(gen: torch.Generator) -> None:
     check_x24(x24, out.reshape(-1))
 
 
+@pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len", [(3, 1, 16, 16, 4, 17), (4, 2, 64, 64, 3, 40),
+                                                          (8, 1, 32, 32, 1, 5), (2, 2, 16, 16, 5, 9)])
+def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
+                                       kv_len: int) -> None:
+    """counters: the split launch combines the splits itself (the last of each head's programs to finish): the
+    reduce launch's outputs bit for bit (out, and out_x24 where Dv % 32 == 0); twice, so the counters' reset shows
+    (kv_len 9 over 5 splits of 16: empty splits too)."""
+    n_ctx = 96
+    q = randn(gen, h, d)
+    k_cache, v_cache = randn(gen, n_ctx, hkv, d), randn(gen, n_ctx, hkv, dv)
+    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
+    want, got = nan(h, dv), nan(h, dv)
+    x24 = dv % 32 == 0
+    want24, got24 = (poisoned_x24(h * dv), poisoned_x24(h * dv)) if x24 else (None, None)
+    ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, want, ops.attention_scratch(h, dv, n_splits, DEV),
+                         block_n=16, out_x24=want24)
+    cnt = torch.zeros(h, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
+        got.fill_(float("nan"))
+        ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, got, scratch, block_n=16, out_x24=got24,
+                             counters=cnt)
+        assert torch.equal(got, want)
+        if x24:
+            assert all(torch.equal(a, b) for a, b in zip(got24, want24, strict=True))
+        assert int(cnt.abs().sum()) == 0
+    with pytest.raises(ValueError, match="counters must be int32 zeros"):
+        ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, got, scratch, block_n=16,
+                             counters=cnt[:h - 1])
+
+
 def test_attention_splits_policy() -> None:
     assert ops.attention_splits(4096, 16, 132) == 33  # 528 programs of 128 positions
     assert ops.attention_splits(96, 16, 132, block_n=64) == 2  # never more splits than tiles

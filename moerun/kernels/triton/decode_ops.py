@@ -298,11 +298,13 @@ def attention_scratch(n_head: int, head_dim_v: int, n_splits: int,
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
                        k_sn, k_sh, v_sn, v_sh,
                        kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
+                       out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, cnt_ptr,
                        G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
-                       BLOCK_FK: tl.constexpr):
+                       BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
+                       X24: tl.constexpr):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len).
 
     q: [H, D] f32; caches [n_ctx, Hkv, D|DV]; len: [1] int. Writes m [H, S] (max of log2-scaled scores),
@@ -312,6 +314,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     position len-1 (the same arithmetic): each program norms and rotates its q head and its kv head's raw k
     [Hkv*D] (kr), and the program whose chunk holds len-1 stores that k and the raw v head (vr) [Hkv*DV] in the
     caches there before its loop reads them (a CTA barrier; a GQA group's programs store the same values).
+
+    FUSED: the last of head h's programs to finish (an acq_rel counter cnt [H] after a CTA barrier; it resets the
+    counter) also combines the head's partials (`_attn_combine`, the reduce launch's work and outputs).
     """
     h = tl.program_id(0)
     sp = tl.program_id(1)
@@ -374,34 +379,41 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     tl.store(m_ptr + slot, m_i)
     tl.store(l_ptr + slot, l_i)
     tl.store(acc_ptr + slot.to(tl.int64) * DV + dv, acc, mask=dv < DV)
+    if FUSED:
+        tl.debug_barrier()  # every thread's stores before the release below
+        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == N_SPLITS - 1:
+            _attn_combine(h, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
+                          N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, True)
+            tl.atomic_xchg(cnt_ptr + h, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
-                        DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        PERM: tl.constexpr, X24: tl.constexpr):
-    """Program h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
+def _attn_combine(h, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+                  DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  PERM: tl.constexpr, X24: tl.constexpr, VOLATILE: tl.constexpr):
+    """Head h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
 
     m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32 (with PERM also perm: out flattened, in the
     word kernels' order `perm_slot`; with X24 out flattened and quantized for the integer-dot kernels, DV % 32 == 0).
+    VOLATILE: the partials were written by other programs of this launch (loads past L1).
     """
-    h = tl.program_id(0)
     base = h * N_SPLITS
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
     mx = tl.full([BLOCK_S], -float("inf"), tl.float32)
     for s0 in range(0, N_SPLITS, BLOCK_S):
-        mx = tl.maximum(mx, tl.load(m_ptr + base + s0 + s, mask=s0 + s < N_SPLITS, other=-float("inf")))
+        mx = tl.maximum(mx, tl.load(m_ptr + base + s0 + s, mask=s0 + s < N_SPLITS, other=-float("inf"),
+                                    volatile=VOLATILE))
     big_m = tl.max(mx, 0)
     l_tot = tl.zeros([BLOCK_S], dtype=tl.float32)
     acc = tl.zeros([BLOCK_S, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, N_SPLITS, BLOCK_S):
         smask = s0 + s < N_SPLITS
-        m = tl.load(m_ptr + base + s0 + s, mask=smask, other=-float("inf"))
+        m = tl.load(m_ptr + base + s0 + s, mask=smask, other=-float("inf"), volatile=VOLATILE)
         w = tl.where(smask, tl.exp2(m - big_m), 0.0)
-        l_tot += w * tl.load(l_ptr + base + s0 + s, mask=smask, other=0.0)
+        l_tot += w * tl.load(l_ptr + base + s0 + s, mask=smask, other=0.0, volatile=VOLATILE)
         a = tl.load(acc_ptr + (base + s0 + s)[:, None] * DV + dv[None, :],
-                    mask=smask[:, None] & (dv < DV)[None, :], other=0.0)
+                    mask=smask[:, None] & (dv < DV)[None, :], other=0.0, volatile=VOLATILE)
         acc += w[:, None] * a
     out = tl.sum(acc, 0) / tl.sum(l_tot, 0)
     tl.store(out_ptr + h * DV + dv, out, mask=dv < DV)
@@ -411,6 +423,15 @@ def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr
         g = tl.arange(0, BLOCK_DV // 32)
         store_x24(tl.reshape(out, [BLOCK_DV // 32, 32]), h * (DV // 32) + g, g * 32 < DV, hi_ptr, lo_ptr, xs_ptr,
                   xsum_ptr, 32)
+
+
+@triton.jit
+def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+                        DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        PERM: tl.constexpr, X24: tl.constexpr):
+    """Program h: `_attn_combine` of head h."""
+    _attn_combine(tl.program_id(0), m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
+                  N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, False)
 
 
 class RopeStore(NamedTuple):
@@ -433,7 +454,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
-                     rope: RopeStore | None = None, out_x24: Any = None) -> torch.Tensor:
+                     rope: RopeStore | None = None, out_x24: Any = None,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -445,12 +467,22 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     With GQA the G query heads of a kv head are adjacent programs reading the same K/V tiles (mostly L2 hits).
     rope: q is the raw projection (q.view(H, D)) and the launch first does `qk_norm_rope_store`'s work at position
     L-1 (the cache row this step writes), with the same arithmetic: one launch less per layer.
+    counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
+    combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
     m_s, l_s, acc_s = scratch
     n_splits = m_s.shape[1]
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and h % hkv == 0
+    if out_perm is not None and (h * dv) % 256:
+        raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
+    xa = _x24_args(out_x24, dv, "out_x24", out)
+    outs = (out, out if out_perm is None else out_perm, *xa)
+    oconst = dict(BLOCK_S=min(_np2(n_splits), 32), PERM=out_perm is not None, X24=out_x24 is not None)
+    fused = counters is not None and split and reduce
+    if fused and (counters.numel() < h or counters.dtype != torch.int32):
+        raise ValueError(f"counters must be int32 zeros [>= {h}], got {counters.dtype} [{counters.numel()}]")
     if split:
         if rope is None:
             rargs, rconst = (q, q, q, q, q, 0.0), dict(ROPE=False, H=h, R=2, QK_NORM=0, NEOX=0, K_BF16=False,
@@ -468,15 +500,12 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache, v_cache, kv_len_t, m_s, l_s, acc_s, float(scale) * LOG2E,
             int(window) if window > 0 else NO_WINDOW,
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
+            *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, num_warps=num_warps)
-    if reduce:
-        if out_perm is not None and (h * dv) % 256:
-            raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
-        xa = _x24_args(out_x24, dv, "out_x24", out)
-        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, out, out if out_perm is None else out_perm, *xa, DV=dv,
-                                  N_SPLITS=n_splits, BLOCK_S=min(_np2(n_splits), 32), BLOCK_DV=_np2(dv),
-                                  PERM=out_perm is not None, X24=out_x24 is not None, num_warps=4)
+            **rconst, FUSED=fused, **oconst, num_warps=num_warps)
+    if reduce and not fused:
+        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits, BLOCK_DV=_np2(dv), **oconst,
+                                  num_warps=4)
     return out
 
 
