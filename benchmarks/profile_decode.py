@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--decode", choices=list(MODES), default="reference")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--ops", default=None, help="triton (default) | triton-bytes | torch")
+    ap.add_argument("--ops", default=None, help="decode ops, as `moerun bench --ops` (default triton)")
     args = ap.parse_args()
 
     eng = Engine(args.model, n_ctx=512, ops=args.ops, **MODES[args.decode])

@@ -1,4 +1,9 @@
-"""Choosing the decode-step ops: fused Triton kernels where a weight type has one, torch otherwise."""
+"""Choosing the decode-step ops: fused Triton kernels where a weight type has one, torch otherwise.
+
+An ops name is a base, optionally followed by features: "triton", "triton+pair", "triton+allint+pair".
+Features switch on variants that are prepared and tested but not yet measured faster, so that one device
+call can time each against the default (`benchmarks/ab_ops.sh`).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,54 @@ from typing import Any
 from moerun.errors import MoerunError
 from moerun.kernels.torch_ops import TorchOps
 
+# base name -> TritonOps arguments
+BASES: dict[str, dict[str, Any]] = {
+    "triton": {},                                                 # the default: every measured-faster kernel
+    "triton-words": {"ints": False},                              # Q4_K on the word kernels' float decode
+    "triton-unpadded": {"ints": False, "pad": False},             # also the Q6_K matrices on the file's rows
+    "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
+}
+# feature -> (what it does, the bases it applies to)
+FEATURES: dict[str, str] = {
+    "allint": "every integer-dot kernel, also the untimed ones (Q8_0, Q6_K gate/up: imatvec.ALL_INT_KINDS)",
+    "pair": "Q4_K's integer kernels holding whole sub-block pairs per thread (imatvec.PAIR_WORDS)",
+    "afused": "the attention's reduce inside its split launch (the last program of each head combines)",
+}
+INT_FEATURES = ("allint", "pair")  # features of the integer-dot kernels: only with base "triton"
+ALIASES = {"triton-int-all": "triton+allint+pair"}
+OPS_NAMES = ("triton", "triton-bytes", "triton-unpadded", "triton-words", "triton-int-all")  # names to list
+
+
+def parse_ops(name: str) -> tuple[str, tuple[str, ...]]:
+    """"triton+pair" -> ("triton", ("pair",)); an alias is expanded first. Raises MoerunError naming the bad part."""
+    base, *feats = ALIASES.get(name, name).split("+")
+    if base not in BASES:
+        raise MoerunError(f"unknown decode ops {name!r}: the base {base!r} is not one of "
+                          f"{', '.join(BASES)} (or 'torch'); features go after '+': {', '.join(FEATURES)}")
+    for f in feats:
+        if f not in FEATURES:
+            raise MoerunError(f"unknown decode ops feature {f!r} in {name!r}; features: "
+                              + "; ".join(f"{k}: {v}" for k, v in FEATURES.items()))
+        if f in INT_FEATURES and BASES[base].get("ints", True) is False:
+            raise MoerunError(f"decode ops {name!r}: feature {f!r} needs the integer-dot kernels (base 'triton')")
+    return base, tuple(dict.fromkeys(feats))
+
 
 def make_ops(name: str) -> Any:
-    """"torch" -> TorchOps; "triton" -> TritonOps (falls back to torch per weight type without a kernel);
-    "triton-bytes" -> TritonOps without the word kernels (every type on the byte-decoding matvecs);
-    "triton-unpadded" -> TritonOps reading only the file's rows (no repacked Q6_K copies);
-    "triton-words" -> TritonOps without the integer-dot kernels (Q4_K on the word kernels' float decode);
-    "triton-int-all" -> TritonOps with every integer-dot kernel and variant, also the untimed ones (Q8_0, Q6_K
-    gate/up, Q4_K's whole sub-block pairs per thread: imatvec.PAIR_WORDS)."""
+    """"torch" -> TorchOps; otherwise TritonOps (falls back to torch per weight type without a kernel) for a base
+    of BASES with the FEATURES after '+' (`parse_ops`); "triton-int-all" = "triton+allint+pair"."""
     if name == "torch":
         return TorchOps()
-    if name in OPS_NAMES:
-        from moerun.kernels.triton.imatvec import ALL_INT_KINDS, PAIR_WORDS, WORDS_PER_THREAD
-        from moerun.kernels.triton_ops import TritonOps
+    base, feats = parse_ops(name)
+    from moerun.kernels.triton.imatvec import ALL_INT_KINDS, PAIR_WORDS
+    from moerun.kernels.triton_ops import TritonOps
 
-        return TritonOps(words=name != "triton-bytes", pad=name in ("triton", "triton-words", "triton-int-all"),
-                         ints=name in ("triton", "triton-int-all"),
-                         int_kinds=ALL_INT_KINDS if name == "triton-int-all" else None,
-                         int_words=PAIR_WORDS if name == "triton-int-all" else WORDS_PER_THREAD)
-    raise MoerunError(f"unknown decode ops {name!r}; use one of {', '.join(OPS_NAMES)} or 'torch'")
+    kw = dict(BASES[base])
+    if "allint" in feats:
+        kw["int_kinds"] = ALL_INT_KINDS
+    if "pair" in feats:
+        kw["int_words"] = PAIR_WORDS
+    if "afused" in feats:
+        kw["attn_fused"] = True
+    return TritonOps(**kw)
 
-
-OPS_NAMES = ("triton", "triton-bytes", "triton-unpadded", "triton-words", "triton-int-all")  # the TritonOps variants

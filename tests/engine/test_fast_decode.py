@@ -17,6 +17,7 @@ from support.tiny_files import rel_err, tiny_gguf, tiny_tokens
 from support.tiny_models import TINY
 
 from moerun.engine.engine import Engine
+from moerun.errors import ContextOverflow
 from moerun.kernels.torch_ops import TorchOps
 
 
@@ -29,7 +30,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-OPS = ["torch"] + (["triton", "triton-bytes", "triton-int-all"] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes", "triton+allint+pair+afused"] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -77,6 +78,53 @@ def test_chained_steps_match_reference(model_file, ops: str, graph: bool) -> Non
     assert rel_err(eng.fast.logits, full[3]) < 1e-4
 
 
+def _chain(eng: Engine, tok: int, n: int) -> list[int]:
+    """n greedy-or-sampled steps one `decode` at a time, the host waiting for each token."""
+    out = []
+    for _ in range(n):
+        tok = eng.decode(tok)
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("graph", GRAPH, ids=lambda g: "graph" if g else "eager")
+@pytest.mark.parametrize("ops", OPS)
+def test_stream_equals_decode(model_file, ops: str, graph: bool, sampled: bool) -> None:
+    """decode_stream (step i + 1 queued before the host reads token i) gives decode's tokens and n_past; closed
+    early, its queued step is discarded (sampler state included): carrying on gives the uninterrupted run."""
+    from moerun.engine.sampler import SamplingParams
+
+    path, tokens = model_file
+    eng = Engine(path, fast=True, ops=ops, graph=graph, device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    prompt, n = tokens[:3], 10
+    params = SamplingParams(temperature=1.5, repeat_penalty=1.2, seed=7) if sampled else None
+
+    def restart() -> None:
+        eng.set_sampling(params)
+        if eng.sampler is not None:
+            eng.sampler.start(prompt)
+        eng.prefill(prompt, pos=0)
+
+    restart()
+    want = _chain(eng, tokens[3], n)
+    restart()
+    got = []
+    for i, t in enumerate(eng.decode_stream(tokens[3], n)):
+        got.append(t)
+        assert eng.n_past == 4 + i
+    assert got == want
+    restart()
+    it = eng.decode_stream(tokens[3], n)
+    part = [next(it) for _ in range(4)]
+    it.close()  # step 5 was queued: discarded
+    assert eng.n_past == 7
+    assert part + list(eng.decode_stream(part[-1], n - 4)) == want
+    assert list(eng.decode_stream(want[-1], 0)) == []
+    with pytest.raises(ContextOverflow):
+        next(eng.decode_stream(want[-1], eng.n_ctx))
+
+
 def test_generate_same_tokens_fast_and_reference(model_file) -> None:
     path, tokens = model_file
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
@@ -99,7 +147,7 @@ def test_permuted_wiring_matches_reference(model_file) -> None:
 
 def test_make_ops_names() -> None:
     from moerun.errors import MoerunError
-    from moerun.kernels.ops import make_ops
+    from moerun.kernels.ops import make_ops, parse_ops
     from moerun.kernels.triton import imatvec as ik
 
     assert make_ops("torch").name == "torch"
@@ -130,6 +178,15 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
         make_ops("cuda-magic")
+    # features after '+', one at a time: what each switches on, alone
+    assert make_ops("triton+pair").int_words == ik.PAIR_WORDS and make_ops("triton+pair").int_kinds == ik.INT_KINDS
+    assert make_ops("triton+allint").int_kinds == ik.ALL_INT_KINDS
+    assert make_ops("triton+allint").int_words == ik.WORDS_PER_THREAD
+    assert parse_ops("triton-int-all") == ("triton", ("allint", "pair")) == parse_ops("triton+allint+pair+pair")
+    with pytest.raises(MoerunError, match="unknown decode ops feature 'fast'"):
+        make_ops("triton+fast")
+    with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
+        make_ops("triton-words+pair")
 
 
 def test_qkv_fused_without_a_second_copy(model_file) -> None:
