@@ -10,6 +10,7 @@
 #   pad:TYPE (Q6_K output on a padded copy vs the file's rows: tests, micro, profiles and tg128 of OLMoE),
 #   ab:TYPE (tg128 of package trees abtree/NAME, NAME in AB_TREES, alternating; the synthesized file is kept),
 #   ncu:TYPE (Nsight Compute counters of one eager OLMoE decode step, per kernel: benchmarks/ncu_step.py),
+#   sanitize:TOOL (compute-sanitizer memcheck / racecheck / synccheck over tiny models' eager decode steps),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -125,6 +126,13 @@ for stage in "$@"; do
       if [ "${stage%%:*}" = tg ]; then bench "$f" "olmoe-1b-7b-$t-tg" -p 0 -n 128 -r 5 -d 0,4096
       else bench "$f" "olmoe-1b-7b-$t-pp" -p 512,4096 -n 0 -r 5; fi
       rm -f "$f" ;;
+    sanitize:*)  # compute-sanitizer TOOL (memcheck, racecheck, synccheck, initcheck) over eager decode steps of tiny
+      # models with every Triton decode kernel (benchmarks/sanitize_step.py; SANITIZE_ARGS narrows it)
+      tool=${stage#*:}; CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer | head -1)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 500 "$CS" --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        python3 benchmarks/sanitize_step.py ${SANITIZE_ARGS:-} > "$OUT/sanitize-$tool.txt" 2>&1
+      echo "compute-sanitizer $tool: exit $?" | tee -a "$LOG"; grep -v "^Warning\|UserWarning\|warnings.warn" \
+        "$OUT/sanitize-$tool.txt" | tail -25 | tee -a "$LOG" ;;
     ncu:*)  # hardware counters of one eager decode step (Firecracker machines; --clock-control none: METHOD.md)
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
       [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \

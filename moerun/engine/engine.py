@@ -22,6 +22,7 @@ from moerun.engine.kv_cache import KVCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.errors import ContextOverflow, MoerunError, ShapeMismatch
 from moerun.gguf.reader import GGUFFile
+from moerun.kernels.gpu import warn_if_untuned
 from moerun.kernels.ops import make_ops
 from moerun.models.config import ModelConfig, read_config
 from moerun.models.dequant_cache import DequantCache
@@ -84,6 +85,8 @@ class Engine:
         self.fast: FastDecoder | None = None
         if fast if fast is not None else on_cuda:
             kernels = make_ops(ops or ("triton" if on_cuda else "torch"))
+            if kernels.name != "torch":
+                warn_if_untuned(self.device)
             self.fast = FastDecoder(self.spec, self.cfg, weights, self.cache, kernels, use_graph=graph)
         self.prefiller: FastPrefill | None = None
         mode = prefill or ("fast" if on_cuda else "reference")

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 
 from moerun.engine.kv_cache import KVCache
 from moerun.kernels import reference as ref
+from moerun.kernels.gpu import sm_count
 from moerun.kernels.triton import prefill_ops as po
 from moerun.kernels.triton import qgemm as qg
 from moerun.kernels.triton.decode_ops import rope_table
-from moerun.kernels.triton.qmatvec import sm_count
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights

@@ -12,6 +12,7 @@ import warnings
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
@@ -209,8 +210,7 @@ class TritonOps:
         key = (k_cache.shape[0], H, Dv, out.device)
         scratch = self._attn_scratch.get(key)
         if scratch is None:
-            sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
-            splits = dk.attention_splits(k_cache.shape[0], H, sms)
+            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device))
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
         return scratch
 

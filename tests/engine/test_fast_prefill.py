@@ -256,7 +256,7 @@ def test_router_parts_mm(t: int, n: int, e: int, split: int | None) -> None:
 
 def test_router_split() -> None:
     """Enough tiles x slices for every SM, slices of >= ROUTER_MIN_SPAN columns, at least one."""
-    from moerun.kernels.triton.qmatvec import sm_count
+    from moerun.kernels.gpu import sm_count
 
     dev = torch.device(TEST_DEVICE)
     sms = sm_count(dev)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.gpu import sm_count
 from moerun.kernels.triton.qblocks import row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
@@ -74,22 +75,11 @@ MAX_BLOCK_M = 32
 WEIGHTS_PER_STEP = 4096  # weights decoded per program per K-step (all matrices of the program together)
 WEIGHTS_PER_THREAD = 32  # -> num_warps = weights per step / (32 * this), clamped to [2, 8]
 
-_SM_COUNT: dict[int, int] = {}
 _TILE_CACHE: dict[tuple[str, int, int, int, int, str], Tile] = {}
 
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached); 4 for the CPU interpreter (few, big programs)."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def default_tile(kind: str, qtype: int, m: int, k: int, n_sel: int, device: torch.device) -> Tile:

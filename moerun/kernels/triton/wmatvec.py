@@ -43,10 +43,11 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route, permute_k4
 from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, store_topk, topk_logits
 from moerun.kernels.triton.qgemm import _i8f
-from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot, sm_count
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act, perm_slot
 
 Q4_K, Q6_K, Q8_0 = 12, 14, 8
 # f = 1 + q/16: mask of mantissa bits 19-22 and the bits of 1.0f, passed as runtime arguments so the and-or
