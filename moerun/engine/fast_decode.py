@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from moerun.engine.kv_cache import KVCache
-from moerun.kernels.torch_ops import X24, Route
+from moerun.kernels.torch_ops import X24, NormOut, Route
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -178,13 +178,23 @@ class FastDecoder:
         (an integer-dot kernel), else None."""
         return self.x24 if any(self.ops.ints(m.qtype, self.cfg.n_embd, kind) for m in mats) else None
 
-    def _layer(self, i: int, L: dict[str, Any]) -> None:
+    def _norm_out(self, weight: torch.Tensor, *mats: _Mat) -> NormOut:
+        """The RMSNorm of x into xn for the products of these matrices (permuted / quantized where they read so)."""
+        return NormOut(weight, self.cfg.rms_eps, self.xn, self._perm("mv", *mats), self._x24("mv", *mats))
+
+    def _attn_norm(self, L: dict[str, Any]) -> NormOut:
+        return self._norm_out(L["attn_norm"], *(m for m, _, _ in L["qkv_runs"]))
+
+    def _layer(self, i: int, L: dict[str, Any], normed: bool) -> bool:
+        """Layer i on x (xn already holds its attention norm when `normed`) -> whether the next norm (the next
+        layer's attention norm, or the final norm) is already done: down does it on its output."""
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
-        xp = self._perm("mv", *(m for m, _, _ in runs))
-        x24 = self._x24("mv", *(m for m, _, _ in runs))
-        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        norm = self._attn_norm(L)
+        xp, x24 = norm.out_perm, norm.out_x24
+        if not normed:
+            ops.rms_norm(self.x, *norm)
         for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
             ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp, x24=x24)
         wo = L["attn_output"]
@@ -222,18 +232,25 @@ class FastDecoder:
         if spec.post_norms:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm, h_x24=h24)
             self._add_block_output(L["post_ffw_norm"])
-        else:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24)
+            return False
+        last = i + 1 == len(self.layers)
+        nxt = self._norm_out(self.out_norm, self.out_mat) if last else self._attn_norm(self.layers[i + 1])
+        ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24,
+                     norm=nxt)
+        return True
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""
         cfg = self.cfg
         self._embed()
+        normed = False
         for i, L in enumerate(self.layers):
-            self._layer(i, L)
-        xp, x24 = self._perm("mv", self.out_mat), self._x24("mv", self.out_mat)
-        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
-        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp, x24=x24)
+            normed = self._layer(i, L, normed)
+        norm = self._norm_out(self.out_norm, self.out_mat)
+        if not normed:
+            self.ops.rms_norm(self.x, *norm)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=norm.out_perm,
+                         x24=norm.out_x24)
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)

@@ -24,6 +24,7 @@ FEATURES: dict[str, str] = {
     "allint": "every integer-dot kernel, also the untimed ones (Q8_0, Q6_K gate/up: imatvec.ALL_INT_KINDS)",
     "pair": "Q4_K's integer kernels holding whole sub-block pairs per thread (imatvec.PAIR_WORDS)",
     "afused": "the attention's reduce inside its split launch (the last program of each head combines)",
+    "nfused": "the next RMSNorm inside the down launch (its last program normalises the new x)",
 }
 INT_FEATURES = ("allint", "pair")  # features of the integer-dot kernels: only with base "triton"
 ALIASES = {"triton-int-all": "triton+allint+pair"}
@@ -61,5 +62,7 @@ def make_ops(name: str) -> Any:
         kw["int_words"] = PAIR_WORDS
     if "afused" in feats:
         kw["attn_fused"] = True
+    if "nfused" in feats:
+        kw["norm_fused"] = True
     return TritonOps(**kw)
 

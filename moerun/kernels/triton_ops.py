@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moerun.kernels.gpu import sm_count
-from moerun.kernels.torch_ops import Route, TorchOps
+from moerun.kernels.torch_ops import NormOut, Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import imatvec as ik
@@ -32,17 +32,21 @@ class TritonOps:
     their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows.
     ints: the products in int_kinds (default imatvec.INT_KINDS: Q4_K's and Q6_K's, but Q6_K's gate/up) run on the
     integer-dot kernels, which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or,
-    for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`)."""
+    for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`).
+    int_words: Q4_K's words per thread in the integer kernels (imatvec.PAIR_WORDS: whole sub-block pairs).
+    attn_fused: the attention's reduce done by the last program of each head in the split launch.
+    norm_fused: `moe_down(norm=...)` does the RMSNorm in the down launch's last program (else a launch of its own)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, int_words: int = ik.WORDS_PER_THREAD,
-                 attn_fused: bool = False) -> None:
+                 attn_fused: bool = False, norm_fused: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.int_words = int_words
         self.attn_fused = attn_fused
+        self.norm_fused = norm_fused
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -147,16 +151,22 @@ class TritonOps:
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
+                 h_perm: bool = False, h_x24: ik.X24 | None = None, norm: NormOut | None = None) -> torch.Tensor:
+        fused = norm is not None and self.norm_fused and qtype in qk.SUPPORTED  # the norm in the last program
+        kw = dict(norm=norm, counter=self._counters(1, out.device)) if fused else {}
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
-            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype, words=self.int_words)
-        if h_perm:
+            ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype, words=self.int_words, **kw)
+        elif h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
-            return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
-        if qtype not in qk.SUPPORTED:
-            return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
+            wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out, **kw)
+        elif qtype in qk.SUPPORTED:
+            qk.moe_down(w_down, qtype, h, ids, weights, residual, out, **kw)
+        else:
+            TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
+        if norm is not None and not fused:
+            self.rms_norm(out, *norm)
+        return out
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
-from moerun.kernels.triton.qmatvec import perm_slot
+from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
 
 LOG2E = 1.4426950408889634
 QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
@@ -32,21 +32,6 @@ def _np2(n: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # RMSNorm
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def store_x24(x, g, ok, hi_ptr, lo_ptr, s_ptr, sum_ptr, G: tl.constexpr):
-    """Quantize groups x [n, G] (f32; their group indices g [n], stored where ok [n]) into an imatvec X24 at
-    hi/lo/s/sum_ptr: X = round(x 8388607 / max |x|) = 256 hi + lo. The arithmetic of `imatvec.quantize_x24_ref`;
-    shared by the quantizer and the kernels that produce x (RMSNorm)."""
-    amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 8388607.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -8388607.0), 8388607.0).to(tl.int32)
-    offs = g[:, None] * G + tl.arange(0, G)[None, :]
-    tl.store(hi_ptr + offs, (q >> 8).to(tl.int16), mask=ok[:, None])
-    tl.store(lo_ptr + offs, (q & 255).to(tl.uint8), mask=ok[:, None])
-    tl.store(s_ptr + g, amax / 8388607.0, mask=ok)
-    tl.store(sum_ptr + g, tl.sum(x, axis=1), mask=ok)
 
 
 @triton.jit
@@ -71,15 +56,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum
                   32)
 
 
-def _x24_args(x24: Any, n: int, what: str, placeholder: torch.Tensor) -> tuple:
-    """(hi, lo, s, sum) of an imatvec.X24 output, or placeholders (unused pointers); checks N % 32 == 0."""
-    if x24 is None:
-        return (placeholder,) * 4
-    if n % 32:
-        raise ValueError(f"{what} needs N % 32 == 0, got N = {n}")
-    return tuple(x24)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
              out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
@@ -91,7 +67,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
     block = _np2(n)
     if out_perm is not None and n % 256:
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
-    xa = _x24_args(out_x24, n, "out_x24", out)
+    xa = x24_args(out_x24, n, "out_x24", out)
     _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
                               BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
                               num_warps=8 if block >= 4096 else 4)
@@ -477,7 +453,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and h % hkv == 0
     if out_perm is not None and (h * dv) % 256:
         raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
-    xa = _x24_args(out_x24, dv, "out_x24", out)
+    xa = x24_args(out_x24, dv, "out_x24", out)
     outs = (out, out if out_perm is None else out_perm, *xa)
     oconst = dict(BLOCK_S=min(_np2(n_splits), 32), PERM=out_perm is not None, X24=out_x24 is not None)
     fused = counters is not None and split and reduce
@@ -659,7 +635,7 @@ def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: tor
     if xn_perm is not None and n % 256:
         raise ValueError(f"xn_perm needs N % 256 == 0, got N = {n}")
     block = _np2(n)
-    xa = _x24_args(xn_x24, n, "xn_x24", xn_out)
+    xa = x24_args(xn_x24, n, "xn_x24", xn_out)
     _norm_router_kernel[(e,)](x, norm_w, w_router, logits_out, xn_out, xn_out if xn_perm is None else xn_perm,
                               *xa, float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
                               X24=xn_x24 is not None, num_warps=8 if block >= 4096 else 4)

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moerun.kernels.torch_ops import X24, Route
-from moerun.kernels.triton.decode_ops import store_x24
+from moerun.kernels.torch_ops import X24, NormOut, Route
+from moerun.kernels.triton.outputs import norm_args, norm_tail, store_x24
 from moerun.kernels.triton.qmatvec import ACTIVATIONS
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
@@ -83,7 +83,7 @@ def supports(qtype: int, k: int, kind: str, kinds: dict[int, tuple[str, ...]] = 
 
 
 def quantize_x24_ref(x: torch.Tensor) -> X24:
-    """Plain-torch twin of `quantize_x24` (float32, decode_ops.store_x24's arithmetic)."""
+    """Plain-torch twin of `quantize_x24` (float32, outputs.store_x24's arithmetic)."""
     g = x.float().reshape(*x.shape[:-1], -1, X_GROUP)
     amax = g.abs().amax(-1)
     inv = torch.where(amax > 0, X_MAX / amax, torch.zeros_like(amax))
@@ -509,11 +509,16 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
 
 @triton.jit
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
-                  stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EP: tl.constexpr, EMU: tl.constexpr):
+                  stride_e, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, cnt_ptr,
+                  QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EP: tl.constexpr, EMU: tl.constexpr,
+                  NORM: tl.constexpr, NPERM: tl.constexpr, NX24: tl.constexpr, NBLOCK: tl.constexpr,
+                  NCH: tl.constexpr):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
-    weight folded into the scales, experts summed in order (Q4_K's pair path: EP experts side by side)."""
+    weight folded into the scales, experts summed in order (Q4_K's pair path: EP experts side by side).
+    NORM: the last program to finish (a CTA barrier, then an acq_rel counter cnt [1] int32, left zero) also writes
+    rms_norm(out, nw, eps) to nout (nperm, the X24 at nhi..nsum with NPERM / NX24), as `decode_ops.rms_norm`."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
     if QT == 12 and T == PAIR:
@@ -534,6 +539,9 @@ def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r], T) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
+    if NORM:
+        norm_tail(out_ptr, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, N, cnt_ptr,
+                  NBLOCK, NCH, NPERM, NX24)
 
 # ---------------------------------------------------------------------------------------------- wrappers
 
@@ -659,17 +667,20 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD, norm: NormOut | None = None,
+               counter: torch.Tensor | None = None) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
-    residual / out: f32 [N] (out may be residual). Returns out."""
+    residual / out: f32 [N] (out may be residual). norm (with counter, int32 zeros [>= 1], left zero): the launch's
+    last program also writes the RMSNorm of out (`NormOut`, as `decode_ops.rms_norm`). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))
     # pair path: enough experts side by side for each thread of the program to hold a sub-block pair
     ep = 1 if words != PAIR_WORDS else min(triton.next_power_of_2(n_sel), max(1, 8 * t.num_warps // t.nb))
+    nargs, nconst = norm_args(norm, counter, out)
     _idown_kernel[(triton.cdiv(n, t.rows),)](
-        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EP=ep, EMU=_EMU,
+        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0), *nargs,
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EP=ep, EMU=_EMU, **nconst,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out
