@@ -152,19 +152,22 @@ class TritonOps:
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False, h_x24: ik.X24 | None = None, norm: NormOut | None = None) -> torch.Tensor:
-        fused = norm is not None and self.norm_fused and qtype in qk.SUPPORTED  # the norm in the last program
-        kw = dict(norm=norm, counter=self._counters(1, out.device)) if fused else {}
+        # norm_fused: the norm in the last program of the integer or byte kernels; not the word kernels', whose
+        # registers the tail nearly doubles (static SASS: 60-93 -> 144-154, NOTES.md 7t)
+        kw = dict(norm=norm, counter=self._counters(1, out.device)) if norm is not None and self.norm_fused else {}
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
             ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype, words=self.int_words, **kw)
         elif h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
-            wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out, **kw)
+            wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
+            kw = {}
         elif qtype in qk.SUPPORTED:
             qk.moe_down(w_down, qtype, h, ids, weights, residual, out, **kw)
         else:
             TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-        if norm is not None and not fused:
+            kw = {}
+        if norm is not None and not kw:
             self.rms_norm(out, *norm)
         return out
 

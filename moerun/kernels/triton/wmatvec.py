@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,7 +46,7 @@ from gguf import GGMLQuantizationType
 from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route, permute_k4
 from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, store_topk, topk_logits
-from moerun.kernels.triton.outputs import norm_args, norm_tail, perm_slot
+from moerun.kernels.triton.outputs import perm_slot
 from moerun.kernels.triton.qgemm import _i8f
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act
 
@@ -308,14 +308,11 @@ def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, route_ptr, wts_ptr, E, out_
 
 @triton.jit
 def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h, fq_mask, fq_one,
-                  nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, cnt_ptr,
-                  N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-                  NORM: tl.constexpr, NPERM: tl.constexpr, NX24: tl.constexpr, NBLOCK: tl.constexpr, NCH: tl.constexpr):
+                  N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
     """Grid (cdiv(N, R),). w: int32 [E, N, 36 N_BLOCKS], h: permuted f32 [n_sel, F], ids/wts: [n_sel],
     res/out: [N].
 
     The routing weight is folded into each expert's scales; experts are summed in order 0 .. n_sel-1.
-    NORM: also the next RMSNorm of out by the launch's last program (`outputs.norm_tail`, `norm_args`).
     """
     SW: tl.constexpr = 36 * N_BLOCKS
     row0 = tl.program_id(0) * R
@@ -329,9 +326,6 @@ def _wdown_kernel(w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e,
         row = row0 + r
         v = _total(accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
-    if NORM:
-        norm_tail(out_ptr, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, N, cnt_ptr,
-                  NBLOCK, NCH, NPERM, NX24)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -400,22 +394,18 @@ def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, id
 
 
 def moe_down_w(w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None, norm: Any = None,
-               counter: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]) for Q4_K experts, summed in order.
 
     w_down: uint8 [E, N, row_bytes]; hp: f32 [n_sel, F], rows in permute_k4 order; ids: int [n_sel];
-    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual). norm (a torch_ops.NormOut, with counter:
-    int32 zeros [>= 1], left zero): the launch's last program also writes the RMSNorm of out. Returns out.
+    weights: f32 [n_sel]; residual/out: f32 [N] (out may be residual). Returns out.
     """
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     t = wtile_for("down", n, f, n, w_down.device, tile)
     ww = _words(w_down, f)
-    nargs, nconst = norm_args(norm, counter, out)
     _wdown_kernel[(triton.cdiv(n, t.rows),)](
-        ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE, *nargs,
-        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, **nconst, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        ww, hp, ids, weights, residual, out, n, ww.stride(0), hp.stride(0), FQ_MASK, FQ_ONE,
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
 
@@ -680,13 +670,10 @@ def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr,
 
 @triton.jit
 def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_h,
-                   nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, cnt_ptr,
                    QT: tl.constexpr, GU: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                   R: tl.constexpr, NB: tl.constexpr, NORM: tl.constexpr, NPERM: tl.constexpr,
-                   NX24: tl.constexpr, NBLOCK: tl.constexpr, NCH: tl.constexpr):
+                   R: tl.constexpr, NB: tl.constexpr):
     """Grid (cdiv(N, R),). Experts [E, N, GU N_BLOCKS units] (stride_e in units), h: permuted f32 [n_sel, F];
-    the routing weight folded into the scales, experts summed in order 0 .. n_sel-1.
-    NORM: also the next RMSNorm of out by the launch's last program (`outputs.norm_tail`, `norm_args`)."""
+    the routing weight folded into the scales, experts summed in order 0 .. n_sel-1."""
     row0 = tl.program_id(0) * R
     accs = _xzeros(QT, R, NB)
     for i in range(N_SEL):
@@ -698,9 +685,6 @@ def _wdownx_kernel(w32_ptr, w16_ptr, w8_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, o
         row = row0 + r
         v = _sum3(accs[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
-    if NORM:
-        norm_tail(out_ptr, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, N, cnt_ptr,
-                  NBLOCK, NCH, NPERM, NX24)
 
 
 def _views(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ...], int, int, int]:
@@ -791,16 +775,13 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
 
 
 def _moe_down_x(qtype: int, w_down: torch.Tensor, hp: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None, norm: Any = None,
-                counter: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor, out: torch.Tensor, *, tile: WTile | None = None) -> torch.Tensor:
     n, f, n_sel = w_down.shape[1], hp.shape[1], hp.shape[0]
     views, se, gu, qt = _views(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile, qt)
-    nargs, nconst = norm_args(norm, counter, out)
     _wdownx_kernel[(triton.cdiv(n, t.rows),)](
-        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), *nargs, QT=qt, GU=gu,
-        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, **nconst, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        *views, hp, ids, weights, residual, out, n, se, hp.stride(0), QT=qt, GU=gu,
+        N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
 
