@@ -11,6 +11,7 @@
 #   ab:TYPE (tg128 of package trees abtree/NAME, NAME in AB_TREES, alternating; the synthesized file is kept),
 #   ncu:TYPE (Nsight Compute counters of one eager OLMoE decode step, per kernel: benchmarks/ncu_step.py),
 #   sanitize:TOOL (compute-sanitizer memcheck / racecheck / synccheck over tiny models' eager decode steps),
+#   abops:TYPE:OPS,OPS,... (benchmarks/ab_ops.sh: same-call A/B of decode ops variants on synthesized OLMoE TYPE),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -49,7 +50,8 @@ for stage in "$@"; do
     pytest:*) timeout 420 python3 -m pytest -q -x tests/kernels -k "${stage#*:}" 2>&1 | tail -3 | tee -a "$LOG" ;;
     kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee -a "$LOG" ;;
     micro) timeout 240 python3 benchmarks/bench_qmatvec.py 2>&1 | tee -a "$LOG" ;;
-    micro:*) timeout 240 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" 2>&1 | tee -a "$LOG" ;;
+    micro:*) timeout 300 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" ${ITILES:+--wtiles "" --itiles "$ITILES"} \
+        2>&1 | tee -a "$LOG" ;;  # ITILES: the integer kernels' tiles only (bench_qmatvec.py --itiles)
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep ${KINDS:+--kinds "$KINDS"} --wtiles "" \
         --json "$OUT/sweep-${stage#*:}.json" 2>&1 | tee -a "$LOG" ;;
     synth:*) t=${stage#*:}; timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" \
@@ -141,9 +143,14 @@ for stage in "$@"; do
         --metrics "$(python3 benchmarks/ncu_step.py --metrics)" python3 benchmarks/ncu_step.py "$f" \
         > "$OUT/ncu-$t.csv" 2> "$OUT/ncu-$t.err"; tail -3 "$OUT/ncu-$t.err" | tee -a "$LOG"
       python3 benchmarks/ncu_step.py --summarise "$OUT/ncu-$t.csv" 2>&1 | tee -a "$LOG" ;;
-    decodetests)
-      MOERUN_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
-        tests/kernels/test_decode_ops.py tests/engine/test_fast_decode.py 2>&1 | tail -3 | tee -a "$LOG" ;;
+    decodetests)  # DECODE_TESTS_K: a pytest -k filter (e.g. "not unpadded and not bytes" for a shorter run)
+      MOERUN_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
+        tests/kernels/test_decode_ops.py tests/kernels/test_imatvec.py tests/kernels/test_norm_tail.py \
+        tests/kernels/test_gpu.py tests/engine/test_fast_decode.py tests/engine/test_decode_acceptance.py \
+        ${DECODE_TESTS_K:+-k "$DECODE_TESTS_K"} 2>&1 | tail -8 | tee -a "$LOG" ;;
+    abops:*)  # abops:TYPE:OPS,OPS,...: benchmarks/ab_ops.sh (profiles, then tg128 of each ops twice; DEPTHS, NO_PROFILE)
+      spec=${stage#*:}; t=${spec%%:*}; IFS=, read -r -a variants <<< "${spec#*:}"
+      OUT="$OUT" bash benchmarks/ab_ops.sh "$t" "${variants[@]}" 2>&1 | tee -a "$LOG"; rm -f "/tmp/olmoe-1b-7b-$t.gguf" ;;
     qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"
