@@ -19,7 +19,7 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-unpadded": {"ints": False, "pad": False},             # also the Q6_K matrices on the file's rows
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
-# feature -> (what it does, the bases it applies to)
+# feature -> what it switches on
 FEATURES: dict[str, str] = {
     "allint": "every integer-dot kernel, also the untimed ones (Q8_0, Q6_K gate/up: imatvec.ALL_INT_KINDS)",
     "pair": "Q4_K's integer kernels holding whole sub-block pairs per thread (imatvec.PAIR_WORDS)",
@@ -28,7 +28,6 @@ FEATURES: dict[str, str] = {
 }
 INT_FEATURES = ("allint", "pair")  # features of the integer-dot kernels: only with base "triton"
 ALIASES = {"triton-int-all": "triton+allint+pair"}
-OPS_NAMES = ("triton", "triton-bytes", "triton-unpadded", "triton-words", "triton-int-all")  # names to list
 
 
 def parse_ops(name: str) -> tuple[str, tuple[str, ...]]:
