@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Same-call A/B of decode ops on one synthesized OLMoE file (device machine): eager profiles, then tg128 of each
 # ops in turn, twice (A B C A B C), so drift between runs shows.
-#   OUT=... [DEPTHS=0,4096] [PROFILE_LINES=24] [NO_PROFILE=1] bash benchmarks/ab_ops.sh TYPE OPS_A OPS_B [OPS...]
+#   OUT=... [DEPTHS=0,4096] [PROFILE_LINES=24] [NO_PROFILE=1 | PROFILE_OPS="A B"] bash benchmarks/ab_ops.sh TYPE OPS...
+# The synthesized file stays in /tmp for the next call on a warm machine (delete it when done).
 # OPS: any --ops name, e.g. triton, triton+pair, triton+allint+pair+afused (moerun/kernels/ops.py); OPS:step
 # times tg with `--tg-loop step` (the host waits for each token) instead of the default stream loop.
 set -uo pipefail
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 t=$1; shift; f=/tmp/olmoe-1b-7b-$t.gguf; OUT=${OUT:-/tmp/moerun-out}; mkdir -p "$OUT"
 [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress 2>&1 | tail -1
 if [ -z "${NO_PROFILE:-}" ]; then
-  for ops in "$@"; do
+  for ops in ${PROFILE_OPS:-"$@"}; do
     [[ $ops == *:step ]] && continue  # the same kernels as without :step
     echo "--- profile $ops"
     timeout 200 python3 benchmarks/profile_decode.py "$f" --decode eager --ops "$ops" 2>&1 | grep -v "loading to" \

@@ -11,7 +11,8 @@
 #   ab:TYPE (tg128 of package trees abtree/NAME, NAME in AB_TREES, alternating; the synthesized file is kept),
 #   ncu:TYPE (Nsight Compute counters of one eager OLMoE decode step, per kernel: benchmarks/ncu_step.py),
 #   sanitize:TOOL (compute-sanitizer memcheck / racecheck / synccheck over tiny models' eager decode steps),
-#   abops:TYPE:OPS,OPS,... (benchmarks/ab_ops.sh: same-call A/B of decode ops variants on synthesized OLMoE TYPE),
+#   abops:TYPE:OPS,OPS,... (benchmarks/ab_ops.sh: same-call A/B of decode ops variants on synthesized OLMoE TYPE,
+#   the file kept for the next call; rm:TYPE deletes it),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -150,7 +151,8 @@ for stage in "$@"; do
         ${DECODE_TESTS_K:+-k "$DECODE_TESTS_K"} 2>&1 | tail -8 | tee -a "$LOG" ;;
     abops:*)  # abops:TYPE:OPS,OPS,...: benchmarks/ab_ops.sh (profiles, then tg128 of each ops twice; DEPTHS, NO_PROFILE)
       spec=${stage#*:}; t=${spec%%:*}; IFS=, read -r -a variants <<< "${spec#*:}"
-      OUT="$OUT" bash benchmarks/ab_ops.sh "$t" "${variants[@]}" 2>&1 | tee -a "$LOG"; rm -f "/tmp/olmoe-1b-7b-$t.gguf" ;;
+      OUT="$OUT" bash benchmarks/ab_ops.sh "$t" "${variants[@]}" 2>&1 | tee -a "$LOG" ;;  # the file stays (next call)
+    rm:*) rm -f "/tmp/olmoe-1b-7b-${stage#*:}.gguf" ;;  # rm:TYPE: the synthesized OLMoE file abops kept
     qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py tests/kernels/test_prefill_ops.py 2>&1 | tail -3 | tee -a "$LOG"
