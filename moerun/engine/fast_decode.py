@@ -195,8 +195,8 @@ class FastDecoder:
         xp, x24 = norm.out_perm, norm.out_x24
         if not normed:
             ops.rms_norm(self.x, *norm)
-        for m, a, b in runs:  # q, k and v: one product per run of matrices of one type
-            ops.qmatvec(m.raw, m.qtype, self.xn, self.qkv[a:b], x_perm=xp, x24=x24)
+        # q, k and v: one product per run of matrices of one type (ops may launch two runs together)
+        ops.qmatvecs([(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], self.xn, x_perm=xp, x24=x24)
         wo = L["attn_output"]
         a24 = self.attn24 if ops.ints(wo.qtype, self.attn_p.shape[0], "mv") and cfg.head_dim_v % 32 == 0 else None
         ap = self.attn_p if a24 is None and ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None

@@ -25,8 +25,9 @@ FEATURES: dict[str, str] = {
     "pair": "Q4_K's integer kernels holding whole sub-block pairs per thread (imatvec.PAIR_WORDS)",
     "afused": "the attention's reduce inside its split launch (the last program of each head combines)",
     "nfused": "the next RMSNorm inside the down launch (its last program normalises the new x)",
+    "qkvfused": "a layer's q/k and v products of two types (Q4_K, Q6_K) in one integer-kernel launch",
 }
-INT_FEATURES = ("allint", "pair")  # features of the integer-dot kernels: only with base "triton"
+INT_FEATURES = ("allint", "pair", "qkvfused")  # features of the integer-dot kernels: only with base "triton"
 ALIASES = {"triton-int-all": "triton+allint+pair"}
 
 
@@ -63,5 +64,7 @@ def make_ops(name: str) -> Any:
         kw["attn_fused"] = True
     if "nfused" in feats:
         kw["norm_fused"] = True
+    if "qkvfused" in feats:
+        kw["qkv_fused"] = True
     return TritonOps(**kw)
 

@@ -122,6 +122,12 @@ class TorchOps:
         out.copy_(y if residual is None else y + residual)
         return out
 
+    def qmatvecs(self, prods: list[tuple[torch.Tensor, int, torch.Tensor]], x: torch.Tensor,
+                 x_perm: torch.Tensor | None = None, x24: Any = None) -> None:
+        """`qmatvec` of several matrices over the same x: prods = [(w, qtype, out), ...] (a layer's q/k/v runs)."""
+        for w, qtype, out in prods:
+            self.qmatvec(w, qtype, x, out, x_perm=x_perm, x24=x24)
+
     @staticmethod
     def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",

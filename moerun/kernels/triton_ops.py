@@ -35,18 +35,20 @@ class TritonOps:
     for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`).
     int_words: Q4_K's words per thread in the integer kernels (imatvec.PAIR_WORDS: whole sub-block pairs).
     attn_fused: the attention's reduce done by the last program of each head in the split launch.
-    norm_fused: `moe_down(norm=...)` does the RMSNorm in the down launch's last program (else a launch of its own)."""
+    norm_fused: `moe_down(norm=...)` does the RMSNorm in the down launch's last program (else a launch of its own).
+    qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, int_words: int = ik.WORDS_PER_THREAD,
-                 attn_fused: bool = False, norm_fused: bool = False) -> None:
+                 attn_fused: bool = False, norm_fused: bool = False, qkv_fused: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.int_words = int_words
         self.attn_fused = attn_fused
         self.norm_fused = norm_fused
+        self.qkv_fused = qkv_fused
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -120,6 +122,19 @@ class TritonOps:
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
         return qk.qmatvec(w, qtype, x, out, residual)
+
+    def qmatvecs(self, prods: list[tuple[torch.Tensor, int, torch.Tensor]], x: torch.Tensor,
+                 x_perm: torch.Tensor | None = None, x24: ik.X24 | None = None) -> None:
+        """`qmatvec` of each (w, qtype, out); with qkv_fused two integer-kernel products of different layouts (a
+        Q4_K q/k run and a Q6_K v) in one launch (`imatvec.qmatvec_i2`)."""
+        k = x.shape[-1]
+        if (self.qkv_fused and x24 is not None and len(prods) == 2 and prods[0][1] != prods[1][1]
+                and all(self.ints_take(qt, "mv", w, k) for w, qt, _ in prods)):
+            (w, qt, out), (w2, qt2, out2) = prods
+            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24, words=self.int_words)
+            return
+        for w, qt, out in prods:
+            self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",

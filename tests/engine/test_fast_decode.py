@@ -30,7 +30,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-OPS = ["torch"] + (["triton", "triton-bytes", "triton+allint+pair+afused+nfused"] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes", "triton+allint+pair+afused+nfused+qkvfused"] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -187,6 +187,8 @@ def test_make_ops_names() -> None:
         make_ops("triton+fast")
     with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
         make_ops("triton-words+pair")
+    assert make_ops("triton+qkvfused").qkv_fused and not make_ops("triton").qkv_fused
+    assert make_ops("triton+afused+nfused").attn_fused and make_ops("triton+nfused").norm_fused
 
 
 def test_qkv_fused_without_a_second_copy(model_file) -> None:

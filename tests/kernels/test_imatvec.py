@@ -245,6 +245,23 @@ def test_moe_down_i(tile, words, f, device, rng) -> None:
         check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
 
 
+@pytest.mark.parametrize("words", [ik.WORDS_PER_THREAD, ik.PAIR_WORDS])
+def test_qmatvec_i2(words, device, rng) -> None:
+    """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
+    what `qmatvec_i` gives it alone (poisoned first)."""
+    gen, _ = rng
+    k = 512
+    xq, _ = _x24(vec(gen, k), device)
+    w, _ = _iweights(Q4_K, (37,), k, gen, device)
+    for qt2, m2 in [(Q6_K, 19), (Q8_0, 6)]:
+        w2, _ = _iweights(qt2, (m2,), k, gen, device)
+        want = ik.qmatvec_i(w, xq, torch.empty(37, device=device), words=words)
+        want2 = ik.qmatvec_i(w2, xq, torch.empty(m2, device=device), qtype=qt2, words=words)
+        out, out2 = torch.full((37,), float("nan"), device=device), torch.full((m2,), float("nan"), device=device)
+        ik.qmatvec_i2(w, Q4_K, out, w2, qt2, out2, xq, words=words)
+        assert torch.equal(out, want) and torch.equal(out2, want2)
+
+
 def test_deterministic(device, rng) -> None:
     gen, _ = rng
     raw, _ = quant_weights(Q4_K, (130,), 512, gen, device)

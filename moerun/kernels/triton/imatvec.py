@@ -430,13 +430,12 @@ def _irows_dot(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xs
 
 
 @triton.jit
-def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
-                U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-                HAS_RES: tl.constexpr, EMU: tl.constexpr):
-    """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
-    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]."""
+def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
+              U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
+              HAS_RES: tl.constexpr, EMU: tl.constexpr):
+    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product."""
     SW: tl.constexpr = U * N_BLOCKS
-    row0 = tl.program_id(0) * R
+    row0 = pid * R
     start = row0.to(tl.int64) * SW
     accs, accms = _izeros(QT, R, NB, T)
     accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr,
@@ -447,6 +446,33 @@ def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_pt
         if HAS_RES:
             v += tl.load(res_ptr + row, mask=row < M, other=0.0)
         tl.store(out_ptr + row, v, mask=row < M)
+
+
+@triton.jit
+def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
+                U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
+                HAS_RES: tl.constexpr, EMU: tl.constexpr):
+    """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
+    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]."""
+    _imv_rows(tl.program_id(0), w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT, U,
+              N_BLOCKS, R, NB, T, HAS_RES, EMU)
+
+
+@triton.jit
+def _imv2_kernel(w_ptr, w16_ptr, w8_ptr, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out2_ptr,
+                 M, M2, P1, QT: tl.constexpr, U: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                 QT2: tl.constexpr, U2: tl.constexpr, R2: tl.constexpr, NB2: tl.constexpr, N_BLOCKS: tl.constexpr,
+                 T: tl.constexpr, EMU: tl.constexpr):
+    """Grid (P1 + cdiv(M2, R2),): two matrices of different layouts over the same x24 of [K] in one launch (a
+    layer's q/k and v runs of two types): programs below P1 = cdiv(M, R) do `_imv_kernel`'s work for w [M, ...] ->
+    out [M], the rest for v [M2, ...] -> out2 [M2] (no residual)."""
+    pid = tl.program_id(0)
+    if pid < P1:
+        _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out_ptr, M, QT, U,
+                  N_BLOCKS, R, NB, T, False, EMU)
+    else:
+        _imv_rows(pid - P1, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out2_ptr, out2_ptr, M2, QT2,
+                  U2, N_BLOCKS, R2, NB2, T, False, EMU)
 
 
 @triton.jit
@@ -632,6 +658,25 @@ def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out
+
+
+def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor, qtype2: int, out2: torch.Tensor,
+               x: X24, *, words: int = WORDS_PER_THREAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """out = W @ x and out2 = W2 @ x in one launch (`_imv2_kernel`), each matrix as `qmatvec_i` takes it (its own
+    type, layout and default tile); their tiles must have the same warps. Returns (out, out2)."""
+    k = x.hi.shape[-1]
+    (views, units, qt), (views2, units2, qt2) = _iviews(qtype, w, k), _iviews(qtype2, w2, k)
+    m, m2 = w.shape[0], w2.shape[0]
+    t = wtile_for("mv", m, k, m, w.device, _itile("mv", qt, m))
+    t2 = wtile_for("mv", m2, k, m2, w2.device, _itile("mv", qt2, m2))
+    if t.num_warps != t2.num_warps:
+        raise ValueError(f"qmatvec_i2: the two matrices' tiles differ in warps ({t} vs {t2})")
+    p1 = triton.cdiv(m, t.rows)
+    _imv2_kernel[(p1 + triton.cdiv(m2, t2.rows),)](
+        *views, *views2, *_xviews(x, k), out, out2, m, m2, p1, QT=qt, U=units, R=t.rows, NB=t.nb, QT2=qt2,
+        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, num_warps=t.num_warps,
+        num_stages=max(t.num_stages, t2.num_stages))
+    return out, out2
 
 
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
