@@ -30,7 +30,8 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-OPS = ["torch"] + (["triton", "triton-bytes", "triton+allint+pair+afused+nfused+qkvfused"] if TEST_DEVICE == "cuda" else [])
+ALL_FEATURES = "triton+allint+pair+afused+nfused+qkvfused"  # every prepared variant at once
+OPS = ["torch"] + (["triton", "triton-bytes", ALL_FEATURES] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
