@@ -148,7 +148,9 @@ class FastDecoder:
             d["int_gate_up"] = g2.qtype == u2.qtype and all(self.ops.ints_take(m.qtype, "gate_up", m.raw, n)
                                                             for m in (g2, u2))
             d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"], ints=d["int_gate_up"])
+            d["attn_norm_out"] = self._norm_out(d["attn_norm"], *(m for m, _, _ in d["qkv_runs"]))
             self.layers.append(d)
+        self.final_norm = self._norm_out(self.out_norm, self.out_mat)  # into xn for the output matrix
 
     def _repack(self, kind: str, m: _Mat, ints: bool = True) -> _Mat:
         """m in the layout the ops' product `kind` reads (`ops.repack`: a load-time copy, or m itself); ints=False:
@@ -182,16 +184,13 @@ class FastDecoder:
         """The RMSNorm of x into xn for the products of these matrices (permuted / quantized where they read so)."""
         return NormOut(weight, self.cfg.rms_eps, self.xn, self._perm("mv", *mats), self._x24("mv", *mats))
 
-    def _attn_norm(self, L: dict[str, Any]) -> NormOut:
-        return self._norm_out(L["attn_norm"], *(m for m, _, _ in L["qkv_runs"]))
-
     def _layer(self, i: int, L: dict[str, Any], normed: bool) -> bool:
         """Layer i on x (xn already holds its attention norm when `normed`) -> whether the next norm (the next
         layer's attention norm, or the final norm) is already done: down does it on its output."""
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
-        norm = self._attn_norm(L)
+        norm = L["attn_norm_out"]
         xp, x24 = norm.out_perm, norm.out_x24
         if not normed:
             ops.rms_norm(self.x, *norm)
@@ -234,7 +233,7 @@ class FastDecoder:
             self._add_block_output(L["post_ffw_norm"])
             return False
         last = i + 1 == len(self.layers)
-        nxt = self._norm_out(self.out_norm, self.out_mat) if last else self._attn_norm(self.layers[i + 1])
+        nxt = self.final_norm if last else self.layers[i + 1]["attn_norm_out"]
         ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24,
                      norm=nxt)
         return True
@@ -246,7 +245,7 @@ class FastDecoder:
         normed = False
         for i, L in enumerate(self.layers):
             normed = self._layer(i, L, normed)
-        norm = self._norm_out(self.out_norm, self.out_mat)
+        norm = self.final_norm
         if not normed:
             self.ops.rms_norm(self.x, *norm)
         self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=norm.out_perm,
