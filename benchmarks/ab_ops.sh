@@ -3,7 +3,7 @@
 # ops in turn, twice (A B C A B C), so drift between runs shows.
 #   OUT=... [DEPTHS=0,4096] [PROFILE_LINES=24] [NO_PROFILE=1 | PROFILE_OPS="A B"] bash benchmarks/ab_ops.sh TYPE OPS...
 # The synthesized file stays in /tmp for the next call on a warm machine (delete it when done).
-# OPS: any --ops name, e.g. triton, triton+pair, triton+allint+pair+afused (moerun/kernels/ops.py); OPS:step
+# OPS: any --ops name, e.g. triton, triton+pair, triton+nfused+pair (moerun/kernels/ops.py); OPS:step
 # times tg with `--tg-loop step` (the host waits for each token) instead of the default stream loop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,7 @@ if [ -z "${NO_PROFILE:-}" ]; then
       | head -"${PROFILE_LINES:-24}"
   done
 fi
-for run in 1 2; do
+for run in $(seq "${RUNS:-2}"); do
   for v in "$@"; do
     ops=${v%:step} loop=stream; [[ $v == *:step ]] && loop=step
     echo "--- tg $v (run $run)"

@@ -47,13 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
                         "on CUDA, reference on CPU")
     p.add_argument("--ops", type=_ops_name, default=None, metavar="OPS[+FEATURE...]",
-                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K and Q6_K on the integer-dot "
-                        "kernels where measured faster, the word kernels for the rest), triton-words (Q4_K on the "
+                   help="kernels of the fused decode step: triton (default on CUDA; Q4_K, Q6_K and Q8_0 on the "
+                        "integer-dot kernels, the word kernels for the rest), triton-words (Q4_K on the "
                         "word kernels only), triton-unpadded (also the Q6_K matrices on the file's rows, no "
                         "one-byte-per-value copy), triton-bytes (every type on the byte-decoding matvecs), torch "
-                        "(plain-torch twins); variants not yet measured faster go after '+': "
-                        + "; ".join(f"{k} ({v})" for k, v in FEATURES.items())
-                        + "; triton-int-all = triton+allint+pair")
+                        "(plain-torch twins); variants kept for same-call A/B go after '+': "
+                        + "; ".join(f"{k} ({v})" for k, v in FEATURES.items()))
     p.add_argument("--tg-loop", choices=["stream", "step"], default="stream",
                    help="tgN's loop: stream (default; as generation runs: each step's token reaches the host while "
                         "the next step is already queued) or step (llama-bench's: the host waits for each token "

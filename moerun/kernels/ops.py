@@ -1,6 +1,6 @@
 """Choosing the decode-step ops: fused Triton kernels where a weight type has one, torch otherwise.
 
-An ops name is a base, optionally followed by features: "triton", "triton+pair", "triton+allint+pair".
+An ops name is a base, optionally followed by features: "triton", "triton+pair", "triton+nfused+pair".
 Features switch on variants that are prepared and tested but not yet measured faster, so that one device
 call can time each against the default (`benchmarks/ab_ops.sh`).
 """
@@ -21,19 +21,15 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on
 FEATURES: dict[str, str] = {
-    "allint": "every integer-dot kernel, also the untimed ones (Q8_0, Q6_K gate/up: imatvec.ALL_INT_KINDS)",
     "pair": "Q4_K's integer kernels holding whole sub-block pairs per thread (imatvec.PAIR_WORDS)",
-    "afused": "the attention's reduce inside its split launch (the last program of each head combines)",
     "nfused": "the next RMSNorm inside the down launch (its last program normalises the new x)",
-    "qkvfused": "a layer's q/k and v products of two types (Q4_K, Q6_K) in one integer-kernel launch",
 }
-INT_FEATURES = ("allint", "pair", "qkvfused")  # features of the integer-dot kernels: only with base "triton"
-ALIASES = {"triton-int-all": "triton+allint+pair"}
+INT_FEATURES = ("pair",)  # features of the integer-dot kernels: only with base "triton"
 
 
 def parse_ops(name: str) -> tuple[str, tuple[str, ...]]:
-    """"triton+pair" -> ("triton", ("pair",)); an alias is expanded first. Raises MoerunError naming the bad part."""
-    base, *feats = ALIASES.get(name, name).split("+")
+    """"triton+pair" -> ("triton", ("pair",)). Raises MoerunError naming the bad part."""
+    base, *feats = name.split("+")
     if base not in BASES:
         raise MoerunError(f"unknown decode ops {name!r}: the base {base!r} is not one of "
                           f"{', '.join(BASES)} (or 'torch'); features go after '+': {', '.join(FEATURES)}")
@@ -48,23 +44,17 @@ def parse_ops(name: str) -> tuple[str, tuple[str, ...]]:
 
 def make_ops(name: str) -> Any:
     """"torch" -> TorchOps; otherwise TritonOps (falls back to torch per weight type without a kernel) for a base
-    of BASES with the FEATURES after '+' (`parse_ops`); "triton-int-all" = "triton+allint+pair"."""
+    of BASES with the FEATURES after '+' (`parse_ops`)."""
     if name == "torch":
         return TorchOps()
     base, feats = parse_ops(name)
-    from moerun.kernels.triton.imatvec import ALL_INT_KINDS, PAIR_WORDS
+    from moerun.kernels.triton.imatvec import PAIR_WORDS
     from moerun.kernels.triton_ops import TritonOps
 
     kw = dict(BASES[base])
-    if "allint" in feats:
-        kw["int_kinds"] = ALL_INT_KINDS
     if "pair" in feats:
         kw["int_words"] = PAIR_WORDS
-    if "afused" in feats:
-        kw["attn_fused"] = True
     if "nfused" in feats:
         kw["norm_fused"] = True
-    if "qkvfused" in feats:
-        kw["qkv_fused"] = True
     return TritonOps(**kw)
 

@@ -30,7 +30,7 @@ class TritonOps:
     permuted activations (see TorchOps); False keeps every type on qmatvec's byte kernels.
     pad: the word-kernel products in wmatvec.PAD (Q6_K's) read a load-time copy of their matrices in the layout
     their kernel decodes fastest (`repack`: Q6_K one byte per value, `bytes_q6k`); False: the file's rows.
-    ints: the products in int_kinds (default imatvec.INT_KINDS: Q4_K's and Q6_K's, but Q6_K's gate/up) run on the
+    ints: the products in int_kinds (default imatvec.INT_KINDS: Q4_K's, Q6_K's and Q8_0's) run on the
     integer-dot kernels, which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or,
     for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`).
     int_words: Q4_K's words per thread in the integer kernels (imatvec.PAIR_WORDS: whole sub-block pairs).
@@ -42,7 +42,7 @@ class TritonOps:
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, int_words: int = ik.WORDS_PER_THREAD,
-                 attn_fused: bool = False, norm_fused: bool = False, qkv_fused: bool = False) -> None:
+                 attn_fused: bool = True, norm_fused: bool = False, qkv_fused: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.int_words = int_words

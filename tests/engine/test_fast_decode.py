@@ -30,7 +30,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-ALL_FEATURES = "triton+allint+pair+afused+nfused+qkvfused"  # every prepared variant at once
+ALL_FEATURES = "triton+pair+nfused"  # every prepared variant at once
 OPS = ["torch"] + (["triton", "triton-bytes", ALL_FEATURES] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
@@ -157,14 +157,12 @@ def test_make_ops_names() -> None:
     assert make_ops("triton-words").kernel_name(12) == "triton-words"
     assert make_ops("triton").ints(12, 2048, "gate_up") and not make_ops("triton-words").ints(12, 2048, "gate_up")
     assert make_ops("triton").ints(12, 2048, "down") and make_ops("triton").ints(14, 2048, "mv")
-    assert not make_ops("triton").ints(14, 2048, "gate_up") and not make_ops("triton").ints(8, 2048, "mv")
-    assert make_ops("triton-int-all").ints(14, 2048, "gate_up") and make_ops("triton-int-all").ints(8, 2048, "mv")
-    assert not make_ops("triton-int-all").ints(13, 2048, "mv")  # Q5_K
-    assert make_ops("triton-int-all").int_words == ik.PAIR_WORDS != make_ops("triton").int_words
-    assert make_ops("triton").kernel_name(8) == "triton-words"
-    assert make_ops("triton-int-all").kernel_name(8) == "triton-int(mv,gate_up,down)"
-    assert make_ops("triton").kernel_name(14) == "triton-int(mv,down)+words(gate_up repacked)"
-    assert make_ops("triton-int-all").kernel_name(14) == "triton-int(mv,gate_up,down)"
+    assert make_ops("triton").ints(14, 2048, "gate_up") and make_ops("triton").ints(8, 2048, "mv")
+    assert not make_ops("triton").ints(13, 2048, "mv")  # Q5_K
+    assert make_ops("triton+pair").int_words == ik.PAIR_WORDS != make_ops("triton").int_words
+    assert make_ops("triton-words").kernel_name(8) == "triton-words"
+    assert make_ops("triton").kernel_name(8) == "triton-int(mv,gate_up,down)"
+    assert make_ops("triton").kernel_name(14) == "triton-int(mv,gate_up,down)"
     assert make_ops("triton-words").kernel_name(14) == "triton+words(mv repacked,gate_up repacked,down repacked)"
     assert make_ops("triton-unpadded").kernel_name(14) == "triton-words"
     w = torch.zeros(16384, 8 * 210, dtype=torch.uint8)  # a Q6_K output-sized matrix, K = 2048
@@ -181,15 +179,16 @@ def test_make_ops_names() -> None:
         make_ops("cuda-magic")
     # features after '+', one at a time: what each switches on, alone
     assert make_ops("triton+pair").int_words == ik.PAIR_WORDS and make_ops("triton+pair").int_kinds == ik.INT_KINDS
-    assert make_ops("triton+allint").int_kinds == ik.ALL_INT_KINDS
-    assert make_ops("triton+allint").int_words == ik.WORDS_PER_THREAD
-    assert parse_ops("triton-int-all") == ("triton", ("allint", "pair")) == parse_ops("triton+allint+pair+pair")
+    assert make_ops("triton").int_words == ik.WORDS_PER_THREAD and not make_ops("triton").norm_fused
+    assert parse_ops("triton+nfused+pair+pair") == ("triton", ("nfused", "pair"))
     with pytest.raises(MoerunError, match="unknown decode ops feature 'fast'"):
         make_ops("triton+fast")
     with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
         make_ops("triton-words+pair")
-    assert make_ops("triton+qkvfused").qkv_fused and not make_ops("triton").qkv_fused
-    assert make_ops("triton+afused+nfused").attn_fused and make_ops("triton+nfused").norm_fused
+    # the measured-faster variants are the default (NOTES.md 7v)
+    t = make_ops("triton")
+    assert t.qkv_fused and t.attn_fused and t.int_kinds == ik.INT_KINDS and 8 in ik.INT_KINDS
+    assert make_ops("triton+nfused").norm_fused
 
 
 def test_qkv_fused_without_a_second_copy(model_file) -> None:
@@ -214,8 +213,8 @@ def test_triton_step_in_the_interpreter(tmp_path: Path) -> None:
     """The Triton ops' step on the CPU under Triton's interpreter (about a minute a step): two steps of synth's tiny
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
-    quantized by its producers) end to end. (With ops="triton-int-all" it runs the prepared variants the same way, ~6
-    more minutes: passed at fd93954, left out of CI for time.)"""
+    quantized by its producers, the attention's reduce in its split launch, a layer's Q4_K q/k and Q6_K v in one
+    launch) end to end."""
     from moerun.synth import synthesize
 
     path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
@@ -273,12 +272,11 @@ def test_repack_falls_back_when_memory_is_short(monkeypatch: pytest.MonkeyPatch)
     assert ops.repack(14, "mv", w).shape == (2048, 8 * 288)
 
 
-@pytest.mark.parametrize("ftype,ops", [("q4_k_m", "triton"), ("q6_k", "triton"), ("q6_k", "triton-int-all"),
-                                      ("q4_k_m", "triton-words")])
+@pytest.mark.parametrize("ftype,ops", [("q4_k_m", "triton"), ("q6_k", "triton"), ("q4_k_m", "triton-words")])
 def test_q6k_layout_follows_the_input(ftype: str, ops: str, tmp_path: Path) -> None:
     """A Q6_K matrix is copied into the integer kernels' signed bytes only where the step gives its product a
     quantized x: always for the matvecs (output, attn_v: RMSNorm writes it), for down only behind an integer gate/up
-    (Q4_K_M's Q4_K gate/up: yes; a Q6_K file's Q6_K gate/up only with triton-int-all; with `triton-words` never:
+    (Q4_K_M's Q4_K gate/up, a Q6_K file's Q6_K gate/up: yes; with `triton-words` never:
     the word kernels' unsigned copy, which they read). Load-time only: no kernel runs."""
     from moerun.kernels.triton import wmatvec as wk
     from moerun.synth import synthesize
@@ -286,7 +284,7 @@ def test_q6k_layout_follows_the_input(ftype: str, ops: str, tmp_path: Path) -> N
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
     synthesize("tiny-olmoe-1b-7b", ftype, path, progress=False)
     eng = Engine(path, device="cpu", dtype="float32", kv_dtype="float32", fast=True, ops=ops, graph=False)
-    int_down = ops == "triton-int-all" or (ops == "triton" and ftype == "q4_k_m")
+    int_down = ops == "triton"
     downs = [(L["ffn_down_exps"], W["ffn_down_exps"]) for L, W in zip(eng.fast.layers, eng.weights.layers,
                                                                       strict=True)]
     downs = [(m, w) for m, w in downs if m.qtype == 14]

@@ -62,10 +62,9 @@ Q8I = 2008  # layout code: Q8_0 as 256 bytes then the 8 scales as float32 per 25
 BYTES_Q8I = 288
 # per type: (the kernels' layout code, bytes per 256 weights in it); Q6_K and Q8_0 from a load-time copy (COPIES)
 LAYOUTS = {Q4_K: (Q4_K, 144), Q6_K: (Q6I, BYTES_Q6), Q8_0: (Q8I, BYTES_Q8I)}
-ALL_INT_KINDS = {t: ("mv", "gate_up", "down") for t in LAYOUTS}  # the products with an integer kernel
-# the ones on by default: measured faster on the H200 (NOTES.md 7o); Q6_K gate/up and Q8_0 are prepared and tested
-# on the CPU but not yet timed (NOTES.md 7p): `--ops triton-int-all` turns them on
-INT_KINDS = {Q4_K: ("mv", "gate_up", "down"), Q6_K: ("mv", "down")}
+# the products on the integer kernels: all of them, measured faster on the H200 (Q4_K_M: NOTES.md 7o; Q8_0 and Q6_K
+# gate/up: 7v, Q8_0 tg128 +20%)
+INT_KINDS = {t: ("mv", "gate_up", "down") for t in LAYOUTS}
 X_GROUP = 32  # x values per scale
 X_MAX = 8388607.0  # 2^23 - 1
 _EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
