@@ -136,7 +136,9 @@ def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: in
     scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
     out = nan(h, dv)
     kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
-    ops.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16)
+    # min_split 16: one live split per 16 positions (kv_len 70 over 7 splits: 5 live, 2 idle; the NaN scratch of the
+    # idle ones is never read)
+    ops.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16, min_split=16)
     close(out, want)
 
 
@@ -162,11 +164,12 @@ def test_attention_decode_rope(gen: torch.Generator, h: int, hkv: int, d: int, d
     k2, v2, q_rot, want = k_cache.clone(), v_cache.clone(), nan(h, d), nan(h, dv)
     ops.qk_norm_rope_store(q, k, v, qw, kw, table, kv_len_t - 1, k2, v2, q_rot, eps, qk_norm, rope_style)
     ops.attention_decode(q_rot, k2, v2, kv_len_t, scale, window, want, ops.attention_scratch(h, dv, n_splits, DEV),
-                         block_n=16)
+                         block_n=16, min_split=16)
     scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
     out = nan(h, dv)
     rope = ops.RopeStore(k, v, qw, kw, table, eps, qk_norm, rope_style)
-    ops.attention_decode(q.view(h, d), k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16, rope=rope)
+    ops.attention_decode(q.view(h, d), k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16, rope=rope,
+                         min_split=16)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     close(out, want)
 
@@ -198,13 +201,14 @@ def test_attention_decode_x24_out(gen: torch.Generator) -> None:
     check_x24(x24, out.reshape(-1))
 
 
+@pytest.mark.parametrize("min_split", [16, 128])
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len", [(3, 1, 16, 16, 4, 17), (4, 2, 64, 64, 3, 40),
                                                           (8, 1, 32, 32, 1, 5), (2, 2, 16, 16, 5, 9)])
 def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
-                                       kv_len: int) -> None:
-    """counters: the split launch combines the splits itself (the last of each head's programs to finish): the
-    reduce launch's outputs bit for bit (out, and out_x24 where Dv % 32 == 0); twice, so the counters' reset shows
-    (kv_len 9 over 5 splits of 16: empty splits too)."""
+                                       kv_len: int, min_split: int) -> None:
+    """counters: the split launch combines the splits itself (the last of each head's live programs to finish):
+    the reduce launch's outputs bit for bit (out, and out_x24 where Dv % 32 == 0); twice, so the counters' reset
+    shows (min_split 16: kv_len 40 over 3 live splits, 9 over 1 live of 5; 128: one live split, the rest idle)."""
     n_ctx = 96
     q = randn(gen, h, d)
     k_cache, v_cache = randn(gen, n_ctx, hkv, d), randn(gen, n_ctx, hkv, dv)
@@ -213,13 +217,13 @@ def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d
     x24 = dv % 32 == 0
     want24, got24 = (poisoned_x24(h * dv), poisoned_x24(h * dv)) if x24 else (None, None)
     ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, want, ops.attention_scratch(h, dv, n_splits, DEV),
-                         block_n=16, out_x24=want24)
+                         block_n=16, out_x24=want24, min_split=min_split)
     cnt = torch.zeros(h, dtype=torch.int32, device=DEV)
     for _ in range(2):
         scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
         got.fill_(float("nan"))
         ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, got, scratch, block_n=16, out_x24=got24,
-                             counters=cnt)
+                             counters=cnt, min_split=min_split)
         assert torch.equal(got, want)
         if x24:
             assert all(torch.equal(a, b) for a, b in zip(got24, want24, strict=True))

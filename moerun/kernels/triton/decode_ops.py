@@ -246,6 +246,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ----------------------------------------------------------------------------------------------------------------------
 
 ATTN_BLOCK_N = 64  # KV positions per loaded tile
+ATTN_MIN_SPLIT = 128  # the fewest KV positions a split takes while the live length leaves splits idle
 NO_WINDOW = 1 << 30
 
 
@@ -254,8 +255,8 @@ def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN
     """Split policy: KV splits per head, fixed for a context size (so a captured graph's grid never changes).
 
     Aim for ~programs_per_sm x sm_count programs in all (H x splits), but never more splits than there are
-    block_n-position tiles in the context. The chunk each split covers is computed on the device from the live
-    KV length (ceil(len / splits) rounded up to block_n), so every split has work once len >= splits * block_n.
+    block_n-position tiles in the context. How many of them work is decided on the device from the live KV length
+    (`_live_splits`: one per ATTN_MIN_SPLIT positions, at most S): a short context leaves the rest idle at once.
     OLMoE on an H200 (H=16, 132 SMs, n_ctx 4096): 33 splits, 528 programs, 128 positions (64 KB of f16 KV) each.
     """
     tiles = max(1, -(-n_ctx // block_n))
@@ -271,6 +272,17 @@ def attention_scratch(n_head: int, head_dim_v: int, n_splits: int,
 
 
 @triton.jit
+def _live_splits(len_ptr, window, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """-> (kv_len, start, live, n): the attended KV range [start, kv_len) of n positions is cut into
+    live = min(N_SPLITS, ceil(n / MIN_SPLIT)) >= 1 splits (`_attn_split`); the rest idle."""
+    kv_len = tl.load(len_ptr).to(tl.int32)
+    start = tl.maximum(kv_len - window, 0)
+    n = kv_len - start
+    live = tl.maximum(tl.minimum(tl.cdiv(n, MIN_SPLIT), N_SPLITS), 1)
+    return kv_len, start, live, n
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
                        k_sn, k_sh, v_sn, v_sh,
                        kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
@@ -280,8 +292,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr):
-    """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len).
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
+    splits (s >= live, `_live_splits`) return at once.
 
     q: [H, D] f32; caches [n_ctx, Hkv, D|DV]; len: [1] int. Writes m [H, S] (max of log2-scaled scores),
     l [H, S] (sum of exp2(score - m)), acc [H, S, DV] (sum of exp2(score - m) * v); empty chunk -> (-inf, 0, 0).
@@ -294,12 +307,30 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     FUSED: the last of head h's programs to finish (an acq_rel counter cnt [H] after a CTA barrier; it resets the
     counter) also combines the head's partials (`_attn_combine`, the reduce launch's work and outputs).
     """
-    h = tl.program_id(0)
     sp = tl.program_id(1)
+    kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
+    if sp < live:
+        _attn_split(sp, kv_len, start, live, n_live, q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
+                    k_sn, k_sh, v_sn, v_sh, kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
+                    out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, cnt_ptr,
+                    G, D, DV, N_SPLITS, BLOCK_N, BLOCK_D, BLOCK_DV, ROPE, H, R, QK_NORM, NEOX, K_BF16, V_BF16,
+                    BLOCK_FQ, BLOCK_FK, FUSED, BLOCK_S, PERM, X24)
+
+
+@triton.jit
+def _attn_split(sp, kv_len, start, live, n_live, q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
+                k_sn, k_sh, v_sn, v_sh, kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
+                out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, cnt_ptr,
+                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+                NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
+                BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
+                X24: tl.constexpr):
+    """`_attn_split_kernel`'s work for a live split sp of head program_id(0)."""
+    h = tl.program_id(0)
     kvh = (h // G).to(tl.int64)
-    kv_len = tl.load(len_ptr).to(tl.int32)
-    start = tl.maximum(kv_len - window, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_len - start, N_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(n_live, live), BLOCK_N) * BLOCK_N
     lo = start + sp * chunk
     hi = tl.minimum(lo + chunk, kv_len)
 
@@ -357,17 +388,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     tl.store(acc_ptr + slot.to(tl.int64) * DV + dv, acc, mask=dv < DV)
     if FUSED:
         tl.debug_barrier()  # every thread's stores before the release below
-        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == N_SPLITS - 1:
-            _attn_combine(h, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
+        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == live - 1:
+            _attn_combine(h, live, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
                           N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, True)
             tl.atomic_xchg(cnt_ptr + h, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _attn_combine(h, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+def _attn_combine(h, live, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
                   DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PERM: tl.constexpr, X24: tl.constexpr, VOLATILE: tl.constexpr):
-    """Head h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits combined in index order.
+    """Head h: out[h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the live splits s < live (the
+    others wrote nothing), combined in index order.
 
     m, l: [H, S] f32, acc: [H, S, DV] f32 -> out: [H, DV] f32 (with PERM also perm: out flattened, in the
     word kernels' order `perm_slot`; with X24 out flattened and quantized for the integer-dot kernels, DV % 32 == 0).
@@ -378,13 +410,13 @@ def _attn_combine(h, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, x
     dv = tl.arange(0, BLOCK_DV)
     mx = tl.full([BLOCK_S], -float("inf"), tl.float32)
     for s0 in range(0, N_SPLITS, BLOCK_S):
-        mx = tl.maximum(mx, tl.load(m_ptr + base + s0 + s, mask=s0 + s < N_SPLITS, other=-float("inf"),
+        mx = tl.maximum(mx, tl.load(m_ptr + base + s0 + s, mask=s0 + s < live, other=-float("inf"),
                                     volatile=VOLATILE))
     big_m = tl.max(mx, 0)
     l_tot = tl.zeros([BLOCK_S], dtype=tl.float32)
     acc = tl.zeros([BLOCK_S, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, N_SPLITS, BLOCK_S):
-        smask = s0 + s < N_SPLITS
+        smask = s0 + s < live
         m = tl.load(m_ptr + base + s0 + s, mask=smask, other=-float("inf"), volatile=VOLATILE)
         w = tl.where(smask, tl.exp2(m - big_m), 0.0)
         l_tot += w * tl.load(l_ptr + base + s0 + s, mask=smask, other=0.0, volatile=VOLATILE)
@@ -402,12 +434,13 @@ def _attn_combine(h, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, x
 
 
 @triton.jit
-def _attn_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+def _attn_reduce_kernel(len_ptr, window, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
                         DV: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        PERM: tl.constexpr, X24: tl.constexpr):
-    """Program h: `_attn_combine` of head h."""
-    _attn_combine(tl.program_id(0), m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
-                  N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, False)
+                        PERM: tl.constexpr, X24: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Program h: `_attn_combine` of head h's live splits."""
+    live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)[2]
+    _attn_combine(tl.program_id(0), live, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+                  DV, N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, False)
 
 
 class RopeStore(NamedTuple):
@@ -431,7 +464,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -445,6 +478,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     L-1 (the cache row this step writes), with the same arithmetic: one launch less per layer.
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
+    min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -455,7 +489,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"out_perm needs H * Dv % 256 == 0, got {h} x {dv}")
     xa = x24_args(out_x24, dv, "out_x24", out)
     outs = (out, out if out_perm is None else out_perm, *xa)
-    oconst = dict(BLOCK_S=min(_np2(n_splits), 32), PERM=out_perm is not None, X24=out_x24 is not None)
+    oconst = dict(BLOCK_S=min(_np2(n_splits), 32), PERM=out_perm is not None, X24=out_x24 is not None,
+                  MIN_SPLIT=max(min_split, block_n))
+    win = int(window) if window > 0 else NO_WINDOW
     fused = counters is not None and split and reduce
     if fused and (counters.numel() < h or counters.dtype != torch.int32):
         raise ValueError(f"counters must be int32 zeros [>= {h}], got {counters.dtype} [{counters.numel()}]")
@@ -474,14 +510,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                           BLOCK_FQ=_np2(h * d) if norm == 2 else 1, BLOCK_FK=_np2(hkv * d) if norm == 2 else 1)
         _attn_split_kernel[(h, n_splits)](
             q, k_cache, v_cache, kv_len_t, m_s, l_s, acc_s, float(scale) * LOG2E,
-            int(window) if window > 0 else NO_WINDOW,
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
+            win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
             **rconst, FUSED=fused, **oconst, num_warps=num_warps)
     if reduce and not fused:
-        _attn_reduce_kernel[(h,)](m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits, BLOCK_DV=_np2(dv), **oconst,
-                                  num_warps=4)
+        _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
+                                  BLOCK_DV=_np2(dv), **oconst, num_warps=4)
     return out
 
 
