@@ -100,6 +100,7 @@ class Report:
     results: list[TestResult] = field(default_factory=list)
     system: dict[str, Any] = field(default_factory=dict)
     tg_loop: str = "stream"  # tgN's loop: "stream" (Engine.decode_stream) or "step" (Engine.decode, waits each)
+    ops: str = ""  # the fused decode step's kernels (Engine.ops_name; "" without a fused step)
 
 
 # ---- test plan ---------------------------------------------------------------------------------
@@ -334,7 +335,8 @@ def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int =
         params=sum(math.prod(t.shape) for t in file.tensors.values()),
         backend="CUDA" if engine.device.type == "cuda" else engine.device.type.upper(),
         device=str(engine.device), dtype=_dtypes(engine),
-        kernel_paths=engine.kernel_paths(), bandwidth=bw, system=system_info(engine.device), tg_loop=tg_loop)
+        kernel_paths=engine.kernel_paths(), bandwidth=bw, system=system_info(engine.device), tg_loop=tg_loop,
+        ops=engine.ops_name or "")
     for spec in tests:
         times = run_test(engine, spec, reps, warmup, seed, tg_loop)
         tps = [spec.n / t for t in times]
@@ -353,6 +355,33 @@ def bench(engine: Engine, tests: list[TestSpec], *, reps: int = 5, warmup: int =
         report.results.append(r)
     engine.reset()
     return report
+
+
+def bench_ops(engine: Engine, ops: list[str], tests: list[TestSpec], *, rounds: int = 1,
+              bandwidth_bytes: int = GiB, **kw: Any) -> list[Report]:
+    """A same-process A/B of decode kernels: `rounds` times, each of `ops` in turn (`Engine.set_ops` on the one
+    loaded model), `bench`; the bandwidth is measured once. Returns the reports in run order (A B A B ...)."""
+    if rounds < 1:
+        raise MoerunError(f"rounds must be >= 1, got {rounds}")
+    bw = kw.pop("bandwidth", None) or measure_bandwidth(engine.device, bandwidth_bytes)
+    reports = []
+    for _ in range(rounds):
+        for name in ops:
+            engine.set_ops(name)
+            reports.append(bench(engine, tests, bandwidth=bw, **kw))
+    return reports
+
+
+def ab_summary(reports: list[Report]) -> str:
+    """One row per ops and test: the median t/s of each round, then their median (`bench_ops`' reports)."""
+    rows: dict[tuple[str, str], list[float]] = {}
+    for rep in reports:
+        for r in rep.results:
+            rows.setdefault((rep.ops, r.test), []).append(r.tps_median)
+    lines = ["| ops | test | t/s per round | median |", "|---|---|---|---:|"]
+    lines += [f"| {o} | {t} | {' / '.join(f'{v:.2f}' for v in vals)} | {statistics.median(vals):.2f} |"
+              for (o, t), vals in rows.items()]
+    return "\n".join(lines)
 
 
 # ---- output ------------------------------------------------------------------------------------

@@ -83,11 +83,10 @@ class Engine:
         self.n_past = 0
         self.sampler: Sampler | None = None  # None: greedy (argmax); see set_sampling
         self.fast: FastDecoder | None = None
+        self.ops_name: str | None = None  # the fused decode step's kernels (`set_ops`); None without one
+        self._graph = graph
         if fast if fast is not None else on_cuda:
-            kernels = make_ops(ops or ("triton" if on_cuda else "torch"))
-            if kernels.name != "torch":
-                warn_if_untuned(self.device)
-            self.fast = FastDecoder(self.spec, self.cfg, weights, self.cache, kernels, use_graph=graph)
+            self.set_ops(ops or ("triton" if on_cuda else "torch"))
         self.prefiller: FastPrefill | None = None
         mode = prefill or ("fast" if on_cuda else "reference")
         if mode not in ("fast", "reference"):
@@ -136,6 +135,23 @@ class Engine:
 
     def _out_of_vocab(self, token: int) -> MoerunError:
         return MoerunError(f"token id {token} is outside the vocabulary 0..{self.cfg.n_vocab - 1}")
+
+    def set_ops(self, ops: str) -> None:
+        """(Re)build the fused decode step with the kernels `ops` ("triton", "torch", a base plus features:
+        `kernels.ops.make_ops`) on the loaded weights: the previous step, its graph and its load-time copies are
+        dropped first. Lets one process time several ops on one loaded model (`moerun bench --ops A,B`)."""
+        kernels = make_ops(ops)
+        if self.fast is not None:
+            self.fast = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+        if kernels.name != "torch":
+            warn_if_untuned(self.device)
+        self.fast = FastDecoder(self.spec, self.cfg, self.weights, self.cache, kernels, use_graph=self._graph)
+        self.fast.sampler = self.sampler
+        self.ops_name = ops
+        self.reset()
 
     def set_sampling(self, params: SamplingParams | None) -> None:
         """Choose tokens with `params` from now on (prefill, decode, generate); None or greedy

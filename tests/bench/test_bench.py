@@ -278,3 +278,39 @@ def test_cli_ops_picks_the_decode_kernels(tiny: tuple[Path, object]) -> None:
     assert "torch" in path and "triton" not in path, path
     bad = _cli("-m", str(tiny[0]), "-n", "4", "--ops", "cuda-magic")
     assert bad.returncode != 0 and "--ops" in bad.stderr
+
+
+def test_bench_ops_rebuilds_the_step_per_ops(tiny: tuple[Path, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench_ops`: rounds x ops reports in run order (A B A B), each timed on a step built for its ops on the one
+    loaded model (`Engine.set_ops`), greedy tokens unchanged by the rebuild; a bad ops name leaves the step as it
+    was. (The torch twins under two names here: the Triton ops need a GPU.)"""
+    from moerun.errors import MoerunError
+    from moerun.kernels import ops as kops
+
+    eng = Engine(tiny[0], device="cpu", n_ctx=64, fast=True, ops="torch")
+    want = eng.generate_greedy([3, 5, 7], 6)
+    real = kops.make_ops
+    monkeypatch.setattr("moerun.engine.engine.make_ops", lambda name: real("torch" if name == "torch-b" else name))
+    built: list[object] = []
+    set_ops = eng.set_ops
+
+    def counted(name: str) -> None:
+        set_ops(name)
+        built.append(eng.fast)
+
+    monkeypatch.setattr(eng, "set_ops", counted)
+    reports = bench.bench_ops(eng, ["torch", "torch-b"], bench.plan([], [4], [0]), rounds=2, reps=1,
+                              bandwidth=FAKE_BANDWIDTH)
+    assert [r.ops for r in reports] == ["torch", "torch-b", "torch", "torch-b"]
+    assert len({id(f) for f in built}) == 4 and eng.fast is built[-1]
+    assert all(r.results[0].test == "tg4" and r.results[0].tps_median > 0 for r in reports)
+    assert eng.generate_greedy([3, 5, 7], 6) == want
+    summary = bench.ab_summary(reports).splitlines()
+    assert summary[0] == "| ops | test | t/s per round | median |" and len(summary) == 4
+    assert summary[2].startswith("| torch | tg4 | ") and summary[2].count(" / ") == 1
+    with pytest.raises(MoerunError, match="unknown decode ops"):
+        eng.set_ops("cuda-magic")
+    assert eng.fast is built[-1] and eng.ops_name == "torch-b"
+    with pytest.raises(MoerunError, match="rounds"):
+        bench.bench_ops(eng, ["torch"], bench.plan([], [4], [0]), rounds=0, bandwidth=FAKE_BANDWIDTH)
+    eng.close()
