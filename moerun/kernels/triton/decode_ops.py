@@ -305,7 +305,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     caches there before its loop reads them (a CTA barrier; a GQA group's programs store the same values).
 
     FUSED: the last of head h's programs to finish (an acq_rel counter cnt [H] after a CTA barrier; it resets the
-    counter) also combines the head's partials (`_attn_combine`, the reduce launch's work and outputs).
+    counter) also combines the head's partials (`_attn_combine`, the reduce launch's work and outputs); where the
+    head has one live split (a live length up to MIN_SPLIT) that program writes the output at once, no partials.
     """
     sp = tl.program_id(1)
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
@@ -382,16 +383,19 @@ def _attn_split(sp, kv_len, start, live, n_live, q_ptr, k_ptr, v_ptr, m_ptr, l_p
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         m_i = m_new
         n0 += BLOCK_N
-    slot = h * N_SPLITS + sp
-    tl.store(m_ptr + slot, m_i)
-    tl.store(l_ptr + slot, l_i)
-    tl.store(acc_ptr + slot.to(tl.int64) * DV + dv, acc, mask=dv < DV)
-    if FUSED:
-        tl.debug_barrier()  # every thread's stores before the release below
-        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == live - 1:
-            _attn_combine(h, live, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
-                          N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, True)
-            tl.atomic_xchg(cnt_ptr + h, 0, sem="relaxed", scope="gpu")
+    if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
+        _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
+    else:
+        slot = h * N_SPLITS + sp
+        tl.store(m_ptr + slot, m_i)
+        tl.store(l_ptr + slot, l_i)
+        tl.store(acc_ptr + slot.to(tl.int64) * DV + dv, acc, mask=dv < DV)
+        if FUSED:
+            tl.debug_barrier()  # every thread's stores before the release below
+            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == live - 1:
+                _attn_combine(h, live, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr,
+                              DV, N_SPLITS, BLOCK_S, BLOCK_DV, PERM, X24, True)
+                tl.atomic_xchg(cnt_ptr + h, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -423,7 +427,16 @@ def _attn_combine(h, live, m_ptr, l_ptr, acc_ptr, out_ptr, perm_ptr, hi_ptr, lo_
         a = tl.load(acc_ptr + (base + s0 + s)[:, None] * DV + dv[None, :],
                     mask=smask[:, None] & (dv < DV)[None, :], other=0.0, volatile=VOLATILE)
         acc += w[:, None] * a
-    out = tl.sum(acc, 0) / tl.sum(l_tot, 0)
+    _attn_out(h, tl.sum(acc, 0) / tl.sum(l_tot, 0), out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV,
+              BLOCK_DV, PERM, X24)
+
+
+@triton.jit
+def _attn_out(h, out, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+              PERM: tl.constexpr, X24: tl.constexpr):
+    """Head h's output out [BLOCK_DV] f32 into out [H, DV] (with PERM also perm in `perm_slot` order, with X24
+    quantized for the integer-dot kernels)."""
+    dv = tl.arange(0, BLOCK_DV)
     tl.store(out_ptr + h * DV + dv, out, mask=dv < DV)
     if PERM:
         tl.store(perm_ptr + perm_slot(h * DV + dv), out, mask=dv < DV)
