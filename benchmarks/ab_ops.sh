@@ -3,7 +3,7 @@
 # ops in turn, twice (A B C A B C), so drift between runs shows.
 #   OUT=... [DEPTHS=0,4096] [PROFILE_LINES=24] [NO_PROFILE=1 | PROFILE_OPS="A B"] bash benchmarks/ab_ops.sh TYPE OPS...
 # The synthesized file stays in /tmp for the next call on a warm machine (delete it when done).
-# OPS: any --ops name, e.g. triton, triton+pair, triton+nfused+pair (moerun/kernels/ops.py); OPS:step
+# OPS: any --ops name, e.g. triton, triton-words, triton+FEATURE (moerun/kernels/ops.py); OPS:step
 # times tg with `--tg-loop step` (the host waits for each token) instead of the default stream loop.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -213,7 +213,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--itiles", default="",
                     help="integer-dot tiles to time (Q4_K, Q6_K, Q8_0): RxNBxWARPSxSTAGES[xWORDS] (Q4_K's words per "
-                         "thread: 4, 8, or 16 for whole sub-block pairs) or default ('' = none)")
+                         "thread: 4 or 8) or default ('' = none)")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()

@@ -131,7 +131,7 @@ def main() -> None:
             sass, res = sass_of(ck)
             body = main_loop(sass)
             # weights a loop trip decodes
-            per_trip = tile.rows * kw["NB"] * kw.get("EP", 1) * 256 * (2 if "gate_up" in kind else 1)
+            per_trip = tile.rows * kw["NB"] * 256 * (2 if "gate_up" in kind else 1)
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moerun.errors import MoerunError
-from moerun.kernels.ops import FEATURES, parse_ops
+from moerun.kernels.ops import features_text, parse_ops
 
 NAME = "bench"
 HELP = "measure prompt (ppN) and generation (tgN) speed like llama-bench, with GB/s and % of the roofline"
@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "integer-dot kernels, the word kernels for the rest), triton-words (Q4_K on the "
                         "word kernels only), triton-unpadded (also the Q6_K matrices on the file's rows, no "
                         "one-byte-per-value copy), triton-bytes (every type on the byte-decoding matvecs), torch "
-                        "(plain-torch twins); variants kept for same-call A/B go after '+': "
-                        + "; ".join(f"{k} ({v})" for k, v in FEATURES.items()))
+                        "(plain-torch twins); variants kept for same-call A/B go after '+' (features: "
+                        + features_text() + ")")
     p.add_argument("--tg-loop", choices=["stream", "step"], default="stream",
                    help="tgN's loop: stream (default; as generation runs: each step's token reaches the host while "
                         "the next step is already queued) or step (llama-bench's: the host waits for each token "

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from moerun.engine.kv_cache import KVCache
-from moerun.kernels.torch_ops import X24, NormOut, Route
+from moerun.kernels.torch_ops import X24, Route
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -148,9 +148,9 @@ class FastDecoder:
             d["int_gate_up"] = g2.qtype == u2.qtype and all(self.ops.ints_take(m.qtype, "gate_up", m.raw, n)
                                                             for m in (g2, u2))
             d["ffn_down_exps"] = self._repack("down", d["ffn_down_exps"], ints=d["int_gate_up"])
-            d["attn_norm_out"] = self._norm_out(d["attn_norm"], *(m for m, _, _ in d["qkv_runs"]))
+            d["attn_norm_outs"] = self._norm_outs(*(m for m, _, _ in d["qkv_runs"]))
             self.layers.append(d)
-        self.final_norm = self._norm_out(self.out_norm, self.out_mat)  # into xn for the output matrix
+        self.final_norm_outs = self._norm_outs(self.out_mat)  # the final norm's, for the output matrix
 
     def _repack(self, kind: str, m: _Mat, ints: bool = True) -> _Mat:
         """m in the layout the ops' product `kind` reads (`ops.repack`: a load-time copy, or m itself); ints=False:
@@ -180,20 +180,17 @@ class FastDecoder:
         (an integer-dot kernel), else None."""
         return self.x24 if any(self.ops.ints(m.qtype, self.cfg.n_embd, kind) for m in mats) else None
 
-    def _norm_out(self, weight: torch.Tensor, *mats: _Mat) -> NormOut:
-        """The RMSNorm of x into xn for the products of these matrices (permuted / quantized where they read so)."""
-        return NormOut(weight, self.cfg.rms_eps, self.xn, self._perm("mv", *mats), self._x24("mv", *mats))
+    def _norm_outs(self, *mats: _Mat) -> tuple[torch.Tensor | None, X24 | None]:
+        """(out_perm, out_x24) of the RMSNorm into xn that feeds these matrices' products: xn also permuted /
+        quantized where they read it so (`_perm`, `_x24`; chosen once, at load)."""
+        return self._perm("mv", *mats), self._x24("mv", *mats)
 
-    def _layer(self, i: int, L: dict[str, Any], normed: bool) -> bool:
-        """Layer i on x (xn already holds its attention norm when `normed`) -> whether the next norm (the next
-        layer's attention norm, or the final norm) is already done: down does it on its output."""
+    def _layer(self, i: int, L: dict[str, Any]) -> None:
         cfg, spec, ops = self.cfg, self.spec, self.ops
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
-        norm = L["attn_norm_out"]
-        xp, x24 = norm.out_perm, norm.out_x24
-        if not normed:
-            ops.rms_norm(self.x, *norm)
+        xp, x24 = L["attn_norm_outs"]
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
         # q, k and v: one product per run of matrices of one type (ops may launch two runs together)
         ops.qmatvecs([(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], self.xn, x_perm=xp, x24=x24)
         wo = L["attn_output"]
@@ -231,25 +228,18 @@ class FastDecoder:
         if spec.post_norms:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm, h_x24=h24)
             self._add_block_output(L["post_ffw_norm"])
-            return False
-        last = i + 1 == len(self.layers)
-        nxt = self.final_norm if last else self.layers[i + 1]["attn_norm_out"]
-        ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24,
-                     norm=nxt)
-        return True
+        else:
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24)
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""
         cfg = self.cfg
         self._embed()
-        normed = False
         for i, L in enumerate(self.layers):
-            normed = self._layer(i, L, normed)
-        norm = self.final_norm
-        if not normed:
-            self.ops.rms_norm(self.x, *norm)
-        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=norm.out_perm,
-                         x24=norm.out_x24)
+            self._layer(i, L)
+        xp, x24 = self.final_norm_outs
+        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp, x24=x24)
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)

@@ -1,8 +1,9 @@
 """Choosing the decode-step ops: fused Triton kernels where a weight type has one, torch otherwise.
 
-An ops name is a base, optionally followed by features: "triton", "triton+pair", "triton+nfused+pair".
+An ops name is a base, optionally followed by features: "triton", "triton+FEATURE", "triton+FEATURE+OTHER".
 Features switch on variants that are prepared and tested but not yet measured faster, so that one device
-call can time each against the default (`benchmarks/ab_ops.sh`).
+call can time each against the default (`benchmarks/ab_ops.sh`). There are none at present: each variant
+measured so far was either made the default or deleted.
 """
 
 from __future__ import annotations
@@ -19,24 +20,27 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-unpadded": {"ints": False, "pad": False},             # also the Q6_K matrices on the file's rows
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
-# feature -> what it switches on
-FEATURES: dict[str, str] = {
-    "pair": "Q4_K's integer kernels holding whole sub-block pairs per thread (imatvec.PAIR_WORDS)",
-    "nfused": "the next RMSNorm inside the down launch (its last program normalises the new x)",
-}
-INT_FEATURES = ("pair",)  # features of the integer-dot kernels: only with base "triton"
+# feature -> what it switches on (`make_ops` sets its TritonOps arguments); none at present
+FEATURES: dict[str, str] = {}
+INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
+
+
+def features_text() -> str:
+    """FEATURES for messages and help: "name: what; ...", or that there are none."""
+    if not FEATURES:
+        return "none at present"
+    return "; ".join(f"{k}: {v}" for k, v in FEATURES.items())
 
 
 def parse_ops(name: str) -> tuple[str, tuple[str, ...]]:
-    """"triton+pair" -> ("triton", ("pair",)). Raises MoerunError naming the bad part."""
+    """"triton+FEATURE" -> ("triton", ("FEATURE",)). Raises MoerunError naming the bad part."""
     base, *feats = name.split("+")
     if base not in BASES:
         raise MoerunError(f"unknown decode ops {name!r}: the base {base!r} is not one of "
-                          f"{', '.join(BASES)} (or 'torch'); features go after '+': {', '.join(FEATURES)}")
+                          f"{', '.join(BASES)} (or 'torch'); features after '+': {features_text()}")
     for f in feats:
         if f not in FEATURES:
-            raise MoerunError(f"unknown decode ops feature {f!r} in {name!r}; features: "
-                              + "; ".join(f"{k}: {v}" for k, v in FEATURES.items()))
+            raise MoerunError(f"unknown decode ops feature {f!r} in {name!r}; features: {features_text()}")
         if f in INT_FEATURES and BASES[base].get("ints", True) is False:
             raise MoerunError(f"decode ops {name!r}: feature {f!r} needs the integer-dot kernels (base 'triton')")
     return base, tuple(dict.fromkeys(feats))
@@ -48,13 +52,8 @@ def make_ops(name: str) -> Any:
     if name == "torch":
         return TorchOps()
     base, feats = parse_ops(name)
-    from moerun.kernels.triton.imatvec import PAIR_WORDS
     from moerun.kernels.triton_ops import TritonOps
 
     kw = dict(BASES[base])
-    if "pair" in feats:
-        kw["int_words"] = PAIR_WORDS
-    if "nfused" in feats:
-        kw["norm_fused"] = True
+    # each feature of `feats` sets its TritonOps arguments here (FEATURES is empty at present)
     return TritonOps(**kw)
-

@@ -64,18 +64,6 @@ class Route(NamedTuple):
     renormalise: bool
 
 
-class NormOut(NamedTuple):
-    """The RMSNorm a product also does on its own output (`moe_down(norm=...)`): out = rms_norm(its output, weight,
-    eps), also into out_perm (permute_k4 order) and out_x24 (quantized), as `rms_norm` takes them; the next layer's
-    attention norm (or the final norm), so it needs no launch of its own."""
-
-    weight: torch.Tensor
-    eps: float
-    out: torch.Tensor
-    out_perm: torch.Tensor | None = None
-    out_x24: X24 | None = None
-
-
 class TorchOps:
     """Reference implementations of the decode-step ops (allocate freely; correctness only).
 
@@ -149,15 +137,13 @@ class TorchOps:
     @staticmethod
     def moe_down(w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False, h_x24: Any = None, norm: NormOut | None = None) -> torch.Tensor:
+                 h_perm: bool = False, h_x24: Any = None) -> torch.Tensor:
         """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]
-        (in permute_k4 order with h_perm); norm: then also the RMSNorm of out (`NormOut`)."""
+        (in permute_k4 order with h_perm)."""
         if h_perm:
             h = unpermute_k4(h)
         y = torch.einsum("knf,kf->kn", _deq(w_down.index_select(0, ids.long()), qtype, h.shape[-1]), h)  # [K, N]
         out.copy_(residual + (weights[:, None] * y).sum(0))
-        if norm is not None:
-            TorchOps.rms_norm(out, *norm)
         return out
 
     @staticmethod

@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moerun.kernels.gpu import sm_count
-from moerun.kernels.torch_ops import NormOut, Route, TorchOps
+from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import imatvec as ik
@@ -33,21 +33,17 @@ class TritonOps:
     ints: the products in int_kinds (default imatvec.INT_KINDS: Q4_K's, Q6_K's and Q8_0's) run on the
     integer-dot kernels, which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or,
     for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`).
-    int_words: Q4_K's words per thread in the integer kernels (imatvec.PAIR_WORDS: whole sub-block pairs).
     attn_fused: the attention's reduce done by the last program of each head in the split launch.
-    norm_fused: `moe_down(norm=...)` does the RMSNorm in the down launch's last program (else a launch of its own).
     qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
-                 int_kinds: dict[int, tuple[str, ...]] | None = None, int_words: int = ik.WORDS_PER_THREAD,
-                 attn_fused: bool = True, norm_fused: bool = False, qkv_fused: bool = True) -> None:
+                 int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
+                 qkv_fused: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
-        self.int_words = int_words
         self.attn_fused = attn_fused
-        self.norm_fused = norm_fused
         self.qkv_fused = qkv_fused
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -116,7 +112,7 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
         if x24 is not None and self.ints_take(qtype, "mv", w, x.shape[-1]):
-            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, words=self.int_words)
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -131,7 +127,7 @@ class TritonOps:
         if (self.qkv_fused and x24 is not None and len(prods) == 2 and prods[0][1] != prods[1][1]
                 and all(self.ints_take(qt, "mv", w, k) for w, qt, _ in prods)):
             (w, qt, out), (w2, qt2, out2) = prods
-            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24, words=self.int_words)
+            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24)
             return
         for w, qt, out in prods:
             self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)
@@ -152,7 +148,7 @@ class TritonOps:
                 and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate, words=self.int_words)
+                                    counters=cnt, qtype=qtype_gate)
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -166,25 +162,16 @@ class TritonOps:
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False, h_x24: ik.X24 | None = None, norm: NormOut | None = None) -> torch.Tensor:
-        # norm_fused: the norm in the last program of the integer or byte kernels; not the word kernels', whose
-        # registers the tail nearly doubles (static SASS: 60-93 -> 144-154, NOTES.md 7t)
-        kw = dict(norm=norm, counter=self._counters(1, out.device)) if norm is not None and self.norm_fused else {}
+                 h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
-            ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype, words=self.int_words, **kw)
-        elif h_perm:
+            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype)
+        if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
-            wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
-            kw = {}
-        elif qtype in qk.SUPPORTED:
-            qk.moe_down(w_down, qtype, h, ids, weights, residual, out, **kw)
-        else:
-            TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-            kw = {}
-        if norm is not None and not kw:
-            self.rms_norm(out, *norm)
-        return out
+            return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
+        if qtype not in qk.SUPPORTED:
+            return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
+        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""

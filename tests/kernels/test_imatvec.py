@@ -63,8 +63,8 @@ def test_quantize_x24_bound(device, rng) -> None:
     assert -(2 ** 23 - 1) <= int(xq.hi.cpu()[2, 64]) * 256 + int(xq.lo.cpu()[2, 64]) <= -(2 ** 23 - 2)
 
 
-@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4), (wk.WTile(1, 2), 4)]
-                         + [(t, ik.PAIR_WORDS) for t in TILES if t != wk.WTile(1, 1)], ids=str)  # (1x1: slow here)
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4), (wk.WTile(1, 2), 4)],
+                         ids=str)
 @pytest.mark.parametrize("m,n_sb,res", [(1, 1, False), (37, 3, True), (130, 2, False)])
 def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
     gen, seed = rng
@@ -84,11 +84,10 @@ def test_qmatvec_i(m, n_sb, res, tile, words, device, rng) -> None:
                 what + " (unquantized x)", tol=X_TOL)
 
 
-@pytest.mark.parametrize("words", [ik.WORDS_PER_THREAD, 4, ik.PAIR_WORDS])
+@pytest.mark.parametrize("words", [ik.WORDS_PER_THREAD, 4])
 def test_qmatvec_i_extremes(words, device) -> None:
     """The integer sums at their largest: every nibble 15 under the largest 6-bit scales and every x at its group's
-    largest value (X = 2^23 - 1 throughout), dmin 0, against gguf's dequantization: no int32 sum overflows (the
-    pair path's high nibbles are multiplied as 16 q)."""
+    largest value (X = 2^23 - 1 throughout), dmin 0, against gguf's dequantization: no int32 sum overflows."""
     m, k = 3, 512
     block = np.zeros(144, dtype=np.uint8)
     block[0:2] = np.frombuffer(np.float16(2.0 ** -10).tobytes(), dtype=np.uint8)  # d; dmin (bytes 2-3) 0
@@ -151,7 +150,6 @@ def test_qmatvec_i_rejects_file_rows(device) -> None:
 
 
 @pytest.mark.parametrize("qtype,tile,words", [(Q4_K, t, ik.WORDS_PER_THREAD) for t in TILES] + [(Q4_K, None, 4)]
-                         + [(Q4_K, None, ik.PAIR_WORDS)]
                          + [(q, t, 8) for q in (Q6_K, Q8_0) for t in (None, wk.WTile(1, 1))], ids=str)
 def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
     gen, seed = rng
@@ -169,9 +167,8 @@ def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
         check_bound(out, a * u, bound, seed, f"{T(qtype).name} igate_up ids={ids_list} {act} tile={tile}")
 
 
-@pytest.mark.parametrize("tile,words", [(None, ik.WORDS_PER_THREAD), (wk.WTile(2, 1, 1, 1), ik.WORDS_PER_THREAD),
-                                        (None, ik.PAIR_WORDS)], ids=str)
-def test_moe_gate_up_i_quantizes_h(tile, words, device, rng) -> None:
+@pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
+def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
     """h_out: the launch also quantizes h for the integer down (each 32-value group by the last of its programs to
     finish, counters left zero); routed, so the ids come from the same launch. Twice, so the counters' reset shows."""
     gen, _ = rng
@@ -186,7 +183,7 @@ def test_moe_gate_up_i_quantizes_h(tile, words, device, rng) -> None:
         out = torch.full((n_sel, f), float("nan"), device=device)
         h24 = ik.X24.empty((n_sel, f), device)
         route = wk.Route(logits, torch.empty(n_sel, device=device), True)
-        ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile, words=words)
+        ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile)
         want = ik.quantize_x24_ref(out.cpu())
         got_q = h24.hi.cpu().int() * 256 + h24.lo.cpu().int()
         assert (got_q - (want.hi.int() * 256 + want.lo.int())).abs().max() <= 1
@@ -221,14 +218,10 @@ def test_moe_down_i_bytes(qtype, tile, device, rng) -> None:
     check_bound(out, ref, bound, seed, f"{T(qtype).name} idown tile={tile}")
 
 
-@pytest.mark.parametrize("tile,words,f", [(t, ik.WORDS_PER_THREAD, 768) for t in TILES] + [(None, 4, 768)]
-                         + [(t, ik.PAIR_WORDS, f) for t in (None, wk.WTile(1, 1), wk.WTile(2, 4, 2, 2))
-                            for f in (768, 1024)], ids=str)
-def test_moe_down_i(tile, words, f, device, rng) -> None:
-    """The pair path puts several experts side by side (F = 768: 4 per step, F = 1024 at 4 blocks: 2, so 3
-    selected experts leave a padding one)."""
+@pytest.mark.parametrize("tile,words", [(t, ik.WORDS_PER_THREAD) for t in TILES] + [(None, 4)], ids=str)
+def test_moe_down_i(tile, words, device, rng) -> None:
     gen, seed = rng
-    e, n = 5, 37
+    e, n, f = 5, 37, 768
     w, dw = quant_weights(Q4_K, (e, n), f, gen, device)
     for ids_list, dtype in [([3, 0, 3], torch.int32), ([1], torch.int64)]:
         n_sel = len(ids_list)
@@ -245,8 +238,7 @@ def test_moe_down_i(tile, words, f, device, rng) -> None:
         check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
 
 
-@pytest.mark.parametrize("words", [ik.WORDS_PER_THREAD, ik.PAIR_WORDS])
-def test_qmatvec_i2(words, device, rng) -> None:
+def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""
     gen, _ = rng
@@ -255,10 +247,10 @@ def test_qmatvec_i2(words, device, rng) -> None:
     w, _ = _iweights(Q4_K, (37,), k, gen, device)
     for qt2, m2 in [(Q6_K, 19), (Q8_0, 6)]:
         w2, _ = _iweights(qt2, (m2,), k, gen, device)
-        want = ik.qmatvec_i(w, xq, torch.empty(37, device=device), words=words)
-        want2 = ik.qmatvec_i(w2, xq, torch.empty(m2, device=device), qtype=qt2, words=words)
+        want = ik.qmatvec_i(w, xq, torch.empty(37, device=device))
+        want2 = ik.qmatvec_i(w2, xq, torch.empty(m2, device=device), qtype=qt2)
         out, out2 = torch.full((37,), float("nan"), device=device), torch.full((m2,), float("nan"), device=device)
-        ik.qmatvec_i2(w, Q4_K, out, w2, qt2, out2, xq, words=words)
+        ik.qmatvec_i2(w, Q4_K, out, w2, qt2, out2, xq)
         assert torch.equal(out, want) and torch.equal(out2, want2)
 
 

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moerun.kernels.torch_ops import X24, NormOut, Route
-from moerun.kernels.triton.outputs import norm_args, norm_tail, store_x24
+from moerun.kernels.torch_ops import X24, Route
+from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.qmatvec import ACTIVATIONS
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
@@ -68,11 +68,6 @@ INT_KINDS = {t: ("mv", "gate_up", "down") for t in LAYOUTS}
 X_GROUP = 32  # x values per scale
 X_MAX = 8388607.0  # 2^23 - 1
 _EMU = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Q4_K's words per thread T: 4 or 8 words of a sub-block pair as one [.., T] tile (Triton gives a thread at most 4
-# of them, one 16-byte load, so the pair's sums cross threads), or PAIR: each thread holds whole pairs, two 16-byte
-# halves (`_irow_pair_step`: no shuffles, the scales unpacked bytewise; NOTES.md 7q)
-PAIR_WORDS = 16
-PAIR = tl.constexpr(PAIR_WORDS)
 
 
 def supports(qtype: int, k: int, kind: str, kinds: dict[int, tuple[str, ...]] = INT_KINDS) -> bool:
@@ -119,35 +114,35 @@ def _byte(q, K: tl.constexpr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _dp4(xa, xb, q, c, SIGNED: tl.constexpr, EMU: tl.constexpr):
-    """c + x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the bytes
-    q0..q3 (unsigned, or signed with SIGNED), c an int32 accumulator (a sum chained through the instructions costs no
-    add). Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their definition."""
+def _dp4(xa, xb, q, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32): xa / xb hold the int16 pairs (x0, x1) / (x2, x3), q the bytes
+    q0..q3 (unsigned, or signed with SIGNED). Two PTX dp2a (16-bit x 8-bit pairs); under the interpreter, their
+    definition."""
     if EMU:
-        return c + (((xa << 16) >> 16) * _byte(q, 0, SIGNED) + (xa >> 16) * _byte(q, 1, SIGNED)
-                    + ((xb << 16) >> 16) * _byte(q, 2, SIGNED) + (xb >> 16) * _byte(q, 3, SIGNED))
+        return (((xa << 16) >> 16) * _byte(q, 0, SIGNED) + (xa >> 16) * _byte(q, 1, SIGNED)
+                + ((xb << 16) >> 16) * _byte(q, 2, SIGNED) + (xb >> 16) * _byte(q, 3, SIGNED))
     elif SIGNED:
         return tl.inline_asm_elementwise(
-            "{ .reg .s32 t; dp2a.lo.s32.s32 t, $1, $3, $4; dp2a.hi.s32.s32 $0, $2, $3, t; }",
-            "=r,r,r,r,r", [xa, xb, q, c], dtype=tl.int32, is_pure=True, pack=1)
+            "{ .reg .s32 t; dp2a.lo.s32.s32 t, $1, $3, 0; dp2a.hi.s32.s32 $0, $2, $3, t; }",
+            "=r,r,r,r", [xa, xb, q], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.inline_asm_elementwise(
-            "{ .reg .s32 t; dp2a.lo.s32.u32 t, $1, $3, $4; dp2a.hi.s32.u32 $0, $2, $3, t; }",
-            "=r,r,r,r,r", [xa, xb, q, c], dtype=tl.int32, is_pure=True, pack=1)
+            "{ .reg .s32 t; dp2a.lo.s32.u32 t, $1, $3, 0; dp2a.hi.s32.u32 $0, $2, $3, t; }",
+            "=r,r,r,r", [xa, xb, q], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _dp4u(xu, q, c, SIGNED: tl.constexpr, EMU: tl.constexpr):
-    """c + x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and the bytes of q (unsigned, or
-    signed with SIGNED): one PTX dp4a."""
+def _dp4u(xu, q, SIGNED: tl.constexpr, EMU: tl.constexpr):
+    """x0 q0 + x1 q1 + x2 q2 + x3 q3 (int32) over the unsigned bytes of xu and the bytes of q (unsigned, or signed
+    with SIGNED): one PTX dp4a."""
     if EMU:
-        return c + ((xu & 255) * _byte(q, 0, SIGNED) + ((xu >> 8) & 255) * _byte(q, 1, SIGNED)
-                    + ((xu >> 16) & 255) * _byte(q, 2, SIGNED) + ((xu >> 24) & 255) * _byte(q, 3, SIGNED))
+        return ((xu & 255) * _byte(q, 0, SIGNED) + ((xu >> 8) & 255) * _byte(q, 1, SIGNED)
+                + ((xu >> 16) & 255) * _byte(q, 2, SIGNED) + ((xu >> 24) & 255) * _byte(q, 3, SIGNED))
     elif SIGNED:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [xu, q, c], dtype=tl.int32,
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
                                          is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [xu, q, c], dtype=tl.int32,
+        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, 0;", "=r,r,r", [xu, q], dtype=tl.int32,
                                          is_pure=True, pack=1)
 
 
@@ -180,8 +175,8 @@ def _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.cons
 def _dot24(xa, xb, xu, q, AX: tl.constexpr, SIGNED: tl.constexpr, EMU: tl.constexpr):
     """Sum along axis AX (a thread's words) of sum_k q_k X_k over each word's 4 bytes q_k (unsigned, or signed with
     SIGNED) and X_k = 256 hi + lo (xa, xb: hi pairs, xu: lo bytes) -> float32, AX removed."""
-    hi = tl.sum(_dp4(xa, xb, q, 0 * q, SIGNED, EMU), axis=AX)
-    lo = tl.sum(_dp4u(xu, q, 0 * q, SIGNED, EMU), axis=AX)
+    hi = tl.sum(_dp4(xa, xb, q, SIGNED, EMU), axis=AX)
+    lo = tl.sum(_dp4u(xu, q, SIGNED, EMU), axis=AX)
     return hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
 
 
@@ -213,110 +208,6 @@ def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.co
     accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
     return acc, accm
 
-
-@triton.jit
-def _ix_half(xh_ptr, xl_ptr, xblk, H: tl.constexpr):
-    """x24 for qs words 8c + 4H + j (j < 4) of the x blocks xblk [NB] (256 values each; the pair path): the int16
-    pairs (a, b) and lo bytes (u) of the low nibbles' weights 64c + 4(4H + j) + 0..3, then of the high nibbles'
-    (+32), [NB, 4, 4] int32 each."""
-    xo = xblk[:, None, None] * 64 + tl.arange(0, 4)[None, :, None] * 16 + 4 * H + tl.arange(0, 4)[None, None, :]
-    h0 = tl.load(xh_ptr + xo)
-    h1 = tl.load(xh_ptr + xo + 8)
-    return (h0.to(tl.int32), (h0 >> 32).to(tl.int32), tl.load(xl_ptr + xo),
-            h1.to(tl.int32), (h1 >> 32).to(tl.int32), tl.load(xl_ptr + xo + 8))
-
-
-@triton.jit
-def _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, xblk):
-    """x24 of the x blocks xblk [NB] for the pair path: both halves (`_ix_half`), the scales and sums of sub-blocks
-    2c / 2c + 1 [NB, 4]."""
-    sb = xblk[:, None] * 8 + 2 * tl.arange(0, 4)[None, :]
-    return (_ix_half(xh_ptr, xl_ptr, xblk, 0), _ix_half(xh_ptr, xl_ptr, xblk, 1),
-            tl.load(xs_ptr + sb), tl.load(xs_ptr + sb + 1), tl.load(xsum_ptr + sb), tl.load(xsum_ptr + sb + 1))
-
-
-@triton.jit
-def _dot24_pair(x0, x1, q0, q1, HIGH: tl.constexpr, EMU: tl.constexpr):
-    """sum q X over the 8 words of each sub-block pair's low (or, HIGH, high) nibbles -> float32 [NB, 4]; x0 / x1:
-    the halves' x (`_ix_half`), q0 / q1: their words [NB, 4, 4]. The halves' sums chain through the dot
-    instructions; the high nibbles are multiplied in place (q & 0xF0: 16 times the value, one instruction less per
-    word; |sums| < 2^28) and the 16 divided out exactly in float."""
-    if HIGH:
-        w0 = q0 & -0x0F0F0F10  # 0xF0F0F0F0
-        w1 = q1 & -0x0F0F0F10
-        hi = tl.sum(_dp4(x1[3], x1[4], w1, _dp4(x0[3], x0[4], w0, 0 * w0, False, EMU), False, EMU), axis=2)
-        lo = tl.sum(_dp4u(x1[5], w1, _dp4u(x0[5], w0, 0 * w0, False, EMU), False, EMU), axis=2)
-        v = hi.to(tl.float32) * 16.0 + lo.to(tl.float32) * 0.0625
-    else:
-        w0 = q0 & 0x0F0F0F0F
-        w1 = q1 & 0x0F0F0F0F
-        hi = tl.sum(_dp4(x1[0], x1[1], w1, _dp4(x0[0], x0[1], w0, 0 * w0, False, EMU), False, EMU), axis=2)
-        lo = tl.sum(_dp4u(x1[2], w1, _dp4u(x0[2], w0, 0 * w0, False, EMU), False, EMU), axis=2)
-        v = hi.to(tl.float32) * 256.0 + lo.to(tl.float32)
-    return v
-
-
-@triton.jit
-def _scales_pair(h1, h2, h3, c):
-    """6-bit scales and mins of sub-blocks 2c and 2c + 1 (c [1, 4]) from the scale words h1-h3 [NB, 1]: all 8 of
-    each unpacked bytewise in a few word operations (llama.cpp's get_scale_min_k4, four at a time), then the pair
-    picked -> (sc_lo, sc_hi, m_lo, m_hi) float32 [NB, 4]."""
-    sc_a = h1 & 0x3F3F3F3F  # bytes: the scales of sub-blocks 0..3
-    sc_b = (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030)  # 4..7
-    mn_a = h2 & 0x3F3F3F3F
-    mn_b = ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030)
-    sh = (c & 1) * 16
-    sc = tl.where(c < 2, sc_a, sc_b) >> sh
-    mn = tl.where(c < 2, mn_a, mn_b) >> sh
-    return ((sc & 255).to(tl.float32), ((sc >> 8) & 255).to(tl.float32), (mn & 255).to(tl.float32),
-            ((mn >> 8) & 255).to(tl.float32))
-
-
-@triton.jit
-def _irow_pair_step(wp, bo, ok, xt, scale, acc, accm, EMU: tl.constexpr):
-    """`_irow_step` with each thread holding whole sub-block pairs (two 16-byte halves of 4 words, so no sums cross
-    threads) of Q4_K blocks starting at words bo [NB] from wp, against x tiles xt (`_ix_pairs`): acc [NB, 4] +=
-    d (sc s_x sum q X) over both sub-blocks of pair c, accm [NB, 4] += dmin m sum x; d and dmin times scale
-    (a scalar or [NB])."""
-    x0, x1, sx_lo, sx_hi, sum_lo, sum_hi = xt
-    qo = bo[:, None, None] + 4 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
-    q0 = tl.load(wp + qo, mask=ok, other=0)  # [NB, 4, 4]: words 8c + j
-    q1 = tl.load(wp + qo + 4, mask=ok, other=0)  # words 8c + 4 + j
-    s_lo = _dot24_pair(x0, x1, q0, q1, False, EMU)  # [NB, 4]
-    s_hi = _dot24_pair(x0, x1, q0, q1, True, EMU)
-    d, dmin, h1, h2, h3 = _q4k_header(wp, bo, ok, scale)
-    sc_l, sc_h, mn_l, mn_h = _scales_pair(h1, h2, h3, tl.arange(0, 4)[None, :])
-    acc += d * (sc_l * sx_lo * s_lo + sc_h * sx_hi * s_hi)
-    accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
-    return acc, accm
-
-
-@triton.jit
-def _idown_pairs(w_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, row0, N, stride_e, accs, accms,
-                 SW: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-                 EP: tl.constexpr, EMU: tl.constexpr):
-    """Q4_K down on the pair path: rows row0 .. row0+R-1 of EP experts at a time, NB blocks each, as one [EP NB]
-    axis of blocks (so 1024-wide experts still fill a warp); the routing weight folded into each block's scales
-    (0 for the padding experts past N_SEL, which repeat the last one)."""
-    j = tl.arange(0, EP * NB)
-    e_j = j // NB
-    for i0 in range(0, N_SEL, EP):
-        sel = tl.minimum(i0 + e_j, N_SEL - 1)  # [EP NB] h row (selected expert) of each block
-        wt = tl.where(i0 + e_j < N_SEL, tl.load(wts_ptr + sel), 0.0)
-        base = tl.load(ids_ptr + sel).to(tl.int64) * stride_e + row0.to(tl.int64) * SW
-        for kb in range(0, N_BLOCKS, NB):
-            blk = kb + j % NB
-            xt = _ix_pairs(hh_ptr, hl_ptr, hs_ptr, hsum_ptr, sel * N_BLOCKS + blk)
-            new_accs = ()
-            new_accms = ()
-            for r in tl.static_range(R):
-                a, am = _irow_pair_step(w_ptr, base + r * SW + blk * 36, row0 + r < N, xt, wt, accs[r], accms[r],
-                                        EMU)
-                new_accs = new_accs + (a,)
-                new_accms = new_accms + (am,)
-            accs = new_accs
-            accms = new_accms
-    return accs, accms
 
 @triton.jit
 def _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB: tl.constexpr):
@@ -359,9 +250,7 @@ def _i8_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexp
 
 @triton.jit
 def _itiles(QT: tl.constexpr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.constexpr, T: tl.constexpr):
-    if QT == 12 and T == PAIR:
-        xt = _ix_pairs(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb + tl.arange(0, NB))
-    elif QT == 12:
+    if QT == 12:
         xt = _ix_tiles(xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
     else:
         xt = _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB)
@@ -372,9 +261,7 @@ def _itiles(QT: tl.constexpr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB: tl.const
 def _istep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr,
            EMU: tl.constexpr):
     """One row's step in layout QT (Q4_K: 12, Q6I: 2014, Q8I: 2008) -> (acc, accm)."""
-    if QT == 12 and T == PAIR:
-        acc, accm = _irow_pair_step(wp, off + (kb + tl.arange(0, NB)) * 36, ok, xt, scale, acc, accm, EMU)
-    elif QT == 12:
+    if QT == 12:
         acc, accm = _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB, T, EMU)
     elif QT == 2014:
         acc = _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, EMU)
@@ -388,9 +275,7 @@ def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr
     accs = ()
     accms = ()
     for _r in tl.static_range(R):
-        if QT == 12 and T == PAIR:
-            accs = accs + (tl.zeros([NB, 4], dtype=tl.float32),)
-        elif QT == 12:
+        if QT == 12:
             accs = accs + (tl.zeros([NB, 4, 8 // T], dtype=tl.float32),)
         else:
             accs = accs + (tl.zeros([NB, 16], dtype=tl.float32),)
@@ -399,10 +284,8 @@ def _izeros(QT: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr
 
 
 @triton.jit
-def _itotal_qt(QT: tl.constexpr, acc, accm, T: tl.constexpr):
-    if QT == 12 and T == PAIR:
-        v = tl.sum(tl.sum(acc - accm, axis=1), axis=0)
-    elif QT == 12:
+def _itotal_qt(QT: tl.constexpr, acc, accm):
+    if QT == 12:
         v = _total(acc, accm)  # wmatvec's: Q4_K's acc [NB, 4, S] less the min terms accm [NB, 4]
     else:
         v = tl.sum(tl.sum(acc, axis=1), axis=0)
@@ -441,7 +324,7 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
                              xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
-        v = _itotal_qt(QT, accs[r], accms[r], T)
+        v = _itotal_qt(QT, accs[r], accms[r])
         if HAS_RES:
             v += tl.load(res_ptr + row, mask=row < M, other=0.0)
         tl.store(out_ptr + row, v, mask=row < M)
@@ -526,55 +409,43 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
             num = num + (am,)
         ga, gm, ua, um = nga, ngm, nua, num
     for r in tl.static_range(R):
-        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal_qt(QT, ga[r], gm[r], T),
-                 _itotal_qt(QT, ua[r], um[r], T), ACT, PERM_OUT)
+        _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal_qt(QT, ga[r], gm[r]), _itotal_qt(QT, ua[r], um[r]),
+                 ACT, PERM_OUT)
     if H24:
         _quantize_h_group(out_ptr + sel * stride_out, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R)
 
 
 @triton.jit
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
-                  stride_e, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, cnt_ptr,
-                  QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EP: tl.constexpr, EMU: tl.constexpr,
-                  NORM: tl.constexpr, NPERM: tl.constexpr, NX24: tl.constexpr, NBLOCK: tl.constexpr,
-                  NCH: tl.constexpr):
+                  stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
-    weight folded into the scales, experts summed in order (Q4_K's pair path: EP experts side by side).
-    NORM: the last program to finish (a CTA barrier, then an acq_rel counter cnt [1] int32, left zero) also writes
-    rms_norm(out, nw, eps) to nout (nperm, the X24 at nhi..nsum with NPERM / NX24), as `decode_ops.rms_norm`."""
+    weight folded into the scales, experts summed in order."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
-    if QT == 12 and T == PAIR:
-        accs, accms = _izeros(QT, R, EP * NB, T)
-        accs, accms = _idown_pairs(w_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, row0, N, stride_e,
-                                   accs, accms, SW, N_BLOCKS, N_SEL, R, NB, EP, EMU)
-    else:
-        accs, accms = _izeros(QT, R, NB, T)
-        for i in range(N_SEL):
-            eid = tl.load(ids_ptr + i).to(tl.int64)
-            start = eid * stride_e + row0.to(tl.int64) * SW
-            xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
-            accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
-                                     hh_ptr + xo, hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS),
-                                     hsum_ptr + i * (8 * N_BLOCKS), tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS,
-                                     R, NB, T, EMU)
+    accs, accms = _izeros(QT, R, NB, T)
+    for i in range(N_SEL):
+        eid = tl.load(ids_ptr + i).to(tl.int64)
+        start = eid * stride_e + row0.to(tl.int64) * SW
+        xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
+        accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N, hh_ptr + xo,
+                                 hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS), hsum_ptr + i * (8 * N_BLOCKS),
+                                 tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
-        v = _itotal_qt(QT, accs[r], accms[r], T) + tl.load(res_ptr + row, mask=row < N, other=0.0)
+        v = _itotal_qt(QT, accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
-    if NORM:
-        norm_tail(out_ptr, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, N, cnt_ptr,
-                  NBLOCK, NCH, NPERM, NX24)
+
 
 # ---------------------------------------------------------------------------------------------- wrappers
 
 QUANT_BLOCK = 8  # groups of 32 per quantizer program
-# T: Q4_K's words per thread (see PAIR). 8, measured: Triton gives a thread 4 of them (one 16-byte load per row and
-# block) and two threads sum a sub-block pair; PAIR_WORDS is prepared, not yet timed (NOTES.md 7q). Tiles measured on
-# the H200 at OLMoE sizes (bench_qmatvec --itiles, us; NOTES.md 7n): attention 2048 x 2048 3.62 at 2 rows (4.35 on
-# the word kernel), gate+up 10.05 at 4 (13.22), down 8.89 at 2 (11.21), a 50304-row output 23.9 at 4 (34.0)
+# T: Q4_K's qs words per thread, 4 or 8 of a sub-block pair as one [.., T] tile. 8, measured: Triton gives a thread
+# 4 of them (one 16-byte load per row and block) and two threads sum a sub-block pair (whole pairs per thread, 16
+# words, measured slower and deleted: NOTES.md 7q, 7v). Tiles measured on the H200 at OLMoE sizes (bench_qmatvec
+# --itiles, us; NOTES.md 7n): attention 2048 x 2048 3.62 at 2 rows (4.35 on the word kernel), gate+up 10.05 at 4
+# (13.22), down 8.89 at 2 (11.21), a 50304-row output 23.9 at 4 (34.0)
 WORDS_PER_THREAD = 8
 ITILES = {("mv", Q4_K): WTile(2, 8), ("mv_big", Q4_K): WTile(4, 8), ("gate_up", Q4_K): WTile(4, 8),
           ("down", Q4_K): WTile(2, 4),
@@ -711,20 +582,15 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD, norm: NormOut | None = None,
-               counter: torch.Tensor | None = None) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
-    residual / out: f32 [N] (out may be residual). norm (with counter, int32 zeros [>= 1], left zero): the launch's
-    last program also writes the RMSNorm of out (`NormOut`, as `decode_ops.rms_norm`). Returns out."""
+    residual / out: f32 [N] (out may be residual). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
     t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))
-    # pair path: enough experts side by side for each thread of the program to hold a sub-block pair
-    ep = 1 if words != PAIR_WORDS else min(triton.next_power_of_2(n_sel), max(1, 8 * t.num_warps // t.nb))
-    nargs, nconst = norm_args(norm, counter, out)
     _idown_kernel[(triton.cdiv(n, t.rows),)](
-        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0), *nargs,
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EP=ep, EMU=_EMU, **nconst,
+        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out

@@ -18,14 +18,14 @@ Tile sizes: `TILES` overrides the heuristic `default_tile` per (kind, qtype, M, 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from moerun.kernels.gpu import sm_count
-from moerun.kernels.triton.outputs import norm_args, norm_tail, perm_slot
+from moerun.kernels.triton.outputs import perm_slot
 from moerun.kernels.triton.qblocks import row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
@@ -193,14 +193,11 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
-    nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, cnt_ptr,
     N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-    NORM: tl.constexpr, NPERM: tl.constexpr, NX24: tl.constexpr, NBLOCK: tl.constexpr, NCH: tl.constexpr,
 ):
     """Grid (cdiv(N, BM),). w: [E, N, row] bytes, h: [n_sel, F] f32, ids/wts: [n_sel], res/out: [N] f32.
 
     Experts are summed inside the program in order i = 0 .. n_sel-1 (deterministic, no atomics).
-    NORM: also the next RMSNorm of out by the launch's last program (`outputs.norm_tail`, `norm_args`).
     """
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
@@ -212,9 +209,6 @@ def _moe_down_kernel(
         acc += tl.load(wts_ptr + i) * part
     acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
     tl.store(out_ptr + rows, acc, mask=rmask)
-    if NORM:
-        norm_tail(out_ptr, nw_ptr, nout_ptr, nperm_ptr, nhi_ptr, nlo_ptr, ns_ptr, nsum_ptr, eps, N, cnt_ptr,
-                  NBLOCK, NCH, NPERM, NX24)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -292,23 +286,19 @@ def moe_down(
     out: torch.Tensor,
     *,
     tile: Tile | None = None,
-    norm: Any = None,
-    counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), summed in order i = 0..n_sel-1.
 
     w_down: uint8 [E, N, row_bytes]; h: float32 [n_sel, F] (rows contiguous); ids: int32/int64 [n_sel];
-    weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). norm (a torch_ops.NormOut, with
-    counter: int32 zeros [>= 1], left zero): the launch's last program also writes the RMSNorm of out. Returns out.
+    weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). Returns out.
     """
     _check(qtype)
     n, f, n_sel = w_down.shape[1], h.shape[1], h.shape[0]
     t = tile or tile_for("down", qtype, n, f, n_sel, w_down.device)
     wt = _typed(w_down, qtype)
-    nargs, nconst = norm_args(norm, counter, out)
     _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
-        wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0), *nargs,
-        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb, **nconst,
+        wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
+        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
