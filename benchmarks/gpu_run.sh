@@ -13,6 +13,7 @@
 #   sanitize:TOOL (compute-sanitizer memcheck / racecheck / synccheck over tiny models' eager decode steps),
 #   abops:TYPE:OPS,OPS,... (benchmarks/ab_ops.sh: same-call A/B of decode ops variants on synthesized OLMoE TYPE,
 #   the file kept for the next call; rm:TYPE deletes it),
+#   ab1:TYPE:OPS,OPS,... (the same in one process: `moerun bench --ops A,B --rounds $ROUNDS`, the summary table),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -152,6 +153,13 @@ for stage in "$@"; do
     abops:*)  # abops:TYPE:OPS,OPS,...: benchmarks/ab_ops.sh (profiles, then tg128 of each ops twice; DEPTHS, NO_PROFILE)
       spec=${stage#*:}; t=${spec%%:*}; IFS=, read -r -a variants <<< "${spec#*:}"
       OUT="$OUT" bash benchmarks/ab_ops.sh "$t" "${variants[@]}" 2>&1 | tee -a "$LOG" ;;  # the file stays (next call)
+    ab1:*)  # ab1:TYPE:OPS,OPS,...: one process, one loaded model, the ops in turn (moerun bench --ops A,B --rounds)
+      spec=${stage#*:}; t=${spec%%:*}; f=/tmp/olmoe-1b-7b-$t.gguf
+      [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
+        2>&1 | tail -1
+      timeout 500 python3 -m moerun bench -m "$f" -p 0 -n 128 -r 5 -d "${DEPTHS:-0}" --ops "${spec#*:}" \
+        --rounds "${ROUNDS:-2}" --output-file "$OUT/ab1-olmoe-1b-7b-$t.json" 2>&1 | sed -n '/^| ops |/,$p' \
+        | tee -a "$LOG" ;;  # the file stays (rm:TYPE)
     rm:*) rm -f "/tmp/olmoe-1b-7b-${stage#*:}.gguf" ;;  # rm:TYPE: the synthesized OLMoE file abops kept
     qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)

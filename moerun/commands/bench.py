@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from moerun.errors import MoerunError
 from moerun.kernels.ops import features_text, parse_ops
@@ -46,13 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode step: fused kernels in a CUDA graph (fast), the same kernels launched eagerly "
                         "(eager; prompts without graphs too), plain torch (reference); default auto = fast "
                         "on CUDA, reference on CPU")
-    p.add_argument("--ops", type=_ops_name, default=None, metavar="OPS[+FEATURE...]",
+    p.add_argument("--ops", type=_ops_names, default=None, metavar="OPS[+FEATURE...][,OPS...]",
                    help="kernels of the fused decode step: triton (default on CUDA; Q4_K, Q6_K and Q8_0 on the "
                         "integer-dot kernels, the word kernels for the rest), triton-words (Q4_K on the "
                         "word kernels only), triton-unpadded (also the Q6_K matrices on the file's rows, no "
                         "one-byte-per-value copy), triton-bytes (every type on the byte-decoding matvecs), torch "
                         "(plain-torch twins); variants kept for same-call A/B go after '+' (features: "
-                        + features_text() + ")")
+                        + features_text() + "); several, comma-separated: a same-process A/B on the one loaded "
+                        "model, each in turn per round (--rounds), then a summary table")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="with several --ops: how many times each runs, alternating (default 2)")
     p.add_argument("--tg-loop", choices=["stream", "step"], default="stream",
                    help="tgN's loop: stream (default; as generation runs: each step's token reaches the host while "
                         "the next step is already queued) or step (llama-bench's: the host waits for each token "
@@ -64,14 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="matrix inputs of the fast prefill: bfloat16 (default on CUDA) or float32 (exact)")
 
 
-def _ops_name(name: str) -> str:
-    """--ops: a name `make_ops` takes, checked before the model loads."""
-    if name != "torch":
+def _ops_names(text: str) -> list[str]:
+    """--ops: names `make_ops` takes, comma-separated, checked before the model loads."""
+    names = [n.strip() for n in text.split(",")]
+    for name in names:
+        if name == "torch":
+            continue
         try:
             parse_ops(name)
         except MoerunError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    return name
+    return names
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -107,15 +114,30 @@ def run(args: argparse.Namespace) -> int:
     path = _model_path(args)
     need = max(t.depth + t.n for t in tests)
     prefill = {} if args.prefill == "auto" else {"prefill": args.prefill}
+    ops = args.ops or [None]
+    if args.rounds is not None and (args.rounds < 1 or len(ops) < 2):
+        raise MoerunError("--rounds needs several --ops (A,B,...) and a value >= 1")
     engine = Engine(path, device=args.device, dtype=args.dtype, n_ctx=need, prefill_dtype=args.prefill_dtype,
-                    ops=args.ops, **prefill, **DECODE_PATHS[args.decode])
+                    ops=ops[0], **prefill, **DECODE_PATHS[args.decode])
+    kw = dict(reps=args.repetitions, warmup=args.warmup, seed=args.seed,
+              bandwidth_bytes=int(args.bandwidth_gib * bench.GiB), tg_loop=args.tg_loop)
     try:
-        report = bench.bench(engine, tests, reps=args.repetitions, warmup=args.warmup, seed=args.seed,
-                             bandwidth_bytes=int(args.bandwidth_gib * bench.GiB), tg_loop=args.tg_loop)
+        if len(ops) == 1:
+            reports = [bench.bench(engine, tests, **kw)]
+        elif engine.fast is None:
+            raise MoerunError("several --ops need the fused decode step: add --decode fast (or eager)")
+        else:
+            reports = bench.bench_ops(engine, ops, tests, rounds=args.rounds or 2, **kw)
     finally:
         engine.close()
-    data = bench.to_json(report)
+    data: Any = bench.to_json(reports[0]) if len(reports) == 1 else [bench.to_json(r) for r in reports]
     if args.output_file:
         Path(args.output_file).write_text(json.dumps(data, indent=2) + "\n")
-    print(json.dumps(data, indent=2) if args.output == "json" else bench.markdown(report))
+    if args.output == "json":
+        print(json.dumps(data, indent=2))
+    elif len(reports) == 1:
+        print(bench.markdown(reports[0]))
+    else:
+        print("\n\n".join(f"--ops {r.ops}\n{bench.markdown(r)}" for r in reports))
+        print("\n" + bench.ab_summary(reports))
     return 0

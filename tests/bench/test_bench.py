@@ -282,8 +282,8 @@ def test_cli_ops_picks_the_decode_kernels(tiny: tuple[Path, object]) -> None:
 
 def test_bench_ops_rebuilds_the_step_per_ops(tiny: tuple[Path, object], monkeypatch: pytest.MonkeyPatch) -> None:
     """`bench_ops`: rounds x ops reports in run order (A B A B), each timed on a step built for its ops on the one
-    loaded model (`Engine.set_ops`), greedy tokens unchanged by the rebuild; a bad ops name leaves the step as it
-    was. (The torch twins under two names here: the Triton ops need a GPU.)"""
+    loaded model (`Engine.set_ops`; the first on the engine's own), greedy tokens unchanged by the rebuild; a bad
+    ops name leaves the step as it was. (The torch twins under two names here: the Triton ops need a GPU.)"""
     from moerun.errors import MoerunError
     from moerun.kernels import ops as kops
 
@@ -302,7 +302,7 @@ def test_bench_ops_rebuilds_the_step_per_ops(tiny: tuple[Path, object], monkeypa
     reports = bench.bench_ops(eng, ["torch", "torch-b"], bench.plan([], [4], [0]), rounds=2, reps=1,
                               bandwidth=FAKE_BANDWIDTH)
     assert [r.ops for r in reports] == ["torch", "torch-b", "torch", "torch-b"]
-    assert len({id(f) for f in built}) == 4 and eng.fast is built[-1]
+    assert len({id(f) for f in built}) == 3 and eng.fast is built[-1]  # the first run: the engine's own step
     assert all(r.results[0].test == "tg4" and r.results[0].tps_median > 0 for r in reports)
     assert eng.generate_greedy([3, 5, 7], 6) == want
     summary = bench.ab_summary(reports).splitlines()
@@ -314,3 +314,20 @@ def test_bench_ops_rebuilds_the_step_per_ops(tiny: tuple[Path, object], monkeypa
     with pytest.raises(MoerunError, match="rounds"):
         bench.bench_ops(eng, ["torch"], bench.plan([], [4], [0]), rounds=0, bandwidth=FAKE_BANDWIDTH)
     eng.close()
+
+
+def test_cli_several_ops_is_an_ab(tiny: tuple[Path, object]) -> None:
+    """--ops A,B: each in turn per round on one loaded model, a table per run and the summary; -o json a list."""
+    args = ("-m", str(tiny[0]), "-p", "0", "-n", "4", "-r", "1", "--bandwidth-gib", "0.02", "--decode", "fast")
+    proc = _cli(*args, "--ops", "torch,torch", "--rounds", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--ops torch\n") == 6
+    summary = proc.stdout[proc.stdout.index("| ops | test |"):].splitlines()
+    assert summary[2].startswith("| torch | tg4 | ") and summary[2].count(" / ") == 5
+    data = json.loads(_cli(*args, "--ops", "torch,torch", "-o", "json").stdout)
+    assert [d["ops"] for d in data] == ["torch"] * 4 and data[0]["results"][0]["test"] == "tg4"
+    bad = _cli(*args, "--rounds", "2")
+    assert bad.returncode != 0 and "--rounds" in bad.stderr
+    bad = _cli("-m", str(tiny[0]), "-p", "0", "-n", "4", "--device", "cpu", "--decode", "reference", "--ops",
+               "torch,torch")
+    assert bad.returncode != 0 and "fused decode step" in bad.stderr
