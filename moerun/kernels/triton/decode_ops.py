@@ -310,25 +310,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     """
     sp = tl.program_id(1)
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
-    if sp < live:
-        _attn_split(sp, kv_len, start, live, n_live, q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
-                    k_sn, k_sh, v_sn, v_sh, kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
-                    out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, cnt_ptr,
-                    G, D, DV, N_SPLITS, BLOCK_N, BLOCK_D, BLOCK_DV, ROPE, H, R, QK_NORM, NEOX, K_BF16, V_BF16,
-                    BLOCK_FQ, BLOCK_FK, FUSED, BLOCK_S, PERM, X24)
-
-
-@triton.jit
-def _attn_split(sp, kv_len, start, live, n_live, q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
-                k_sn, k_sh, v_sn, v_sh, kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
-                out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, cnt_ptr,
-                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, N_SPLITS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
-                NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
-                BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                X24: tl.constexpr):
-    """`_attn_split_kernel`'s work for a live split sp of head program_id(0)."""
+    if sp >= live:
+        return
     h = tl.program_id(0)
     kvh = (h // G).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(n_live, live), BLOCK_N) * BLOCK_N
