@@ -49,9 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on CUDA, reference on CPU")
     p.add_argument("--ops", type=_ops_names, default=None, metavar="OPS[+FEATURE...][,OPS...]",
                    help="kernels of the fused decode step: triton (default on CUDA; Q4_K, Q6_K and Q8_0 on the "
-                        "integer-dot kernels, the word kernels for the rest), triton-words (Q4_K on the "
-                        "word kernels only), triton-unpadded (also the Q6_K matrices on the file's rows, no "
-                        "one-byte-per-value copy), triton-bytes (every type on the byte-decoding matvecs), torch "
+                        "integer-dot kernels, the word kernels for the rest), triton-words (no integer-dot "
+                        "kernels: Q4_K, Q6_K and Q8_0 on the word kernels), triton-unpadded (also the Q6_K "
+                        "matrices on the file's rows, no one-byte-per-value copy), triton-bytes (every type on "
+                        "the byte-decoding matvecs), torch "
                         "(plain-torch twins); variants kept for same-call A/B go after '+' (features: "
                         + features_text() + "); several, comma-separated: a same-process A/B on the one loaded "
                         "model, each in turn per round (--rounds), then a summary table")
