@@ -43,7 +43,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
                     block_n: int = ops.ATTN_BLOCK_N, num_warps: int = 4, programs_per_sm: int = 4,
-                    tag: str = "") -> None:
+                    tag: str = "", min_split: int = ops.ATTN_MIN_SPLIT) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
@@ -56,7 +56,8 @@ def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, 
         kv_len_t = torch.tensor([L], device="cuda", dtype=torch.int32)
 
         def call(i: int, split: bool = True, reduce: bool = True, kv_len_t: torch.Tensor = kv_len_t) -> None:
-            ops.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce)
+            ops.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce,
+                                 min_split=min_split)
 
         call(0)
         want = ref.attention(q[None], ks[0][:L], vs[0][:L], torch.tensor([L - 1], device="cuda"), scale)[0]
@@ -132,8 +133,11 @@ def main() -> None:
     for dtype in (torch.float16, torch.float32):
         bench_attention(dtype, [1, 17, 512, 4095, 4096], sm, bw, rows)
     if not args.no_sweep:
-        for block_n, warps, pps in ((32, 4, 4), (64, 4, 2), (64, 4, 8), (128, 4, 4), (128, 8, 4), (64, 8, 8)):
-            bench_attention(torch.float16, [4096], sm, bw, rows, block_n, warps, pps, tag=f" pps={pps}")
+        # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
+        for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),
+                                        (128, 4, 4, 128), (128, 8, 4, 128), (64, 8, 8, 64)):
+            bench_attention(torch.float16, [512, 4096], sm, bw, rows, block_n, warps, pps, tag=f" pps={pps} ms={ms}",
+                            min_split=ms)
     bench_small(rows)
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
