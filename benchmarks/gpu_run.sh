@@ -61,6 +61,7 @@ for stage in "$@"; do
     qgemm) timeout 300 python3 benchmarks/bench_qgemm.py ${QGEMM_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     exp) timeout 240 python3 benchmarks/exp_q4k.py 2>&1 | tee -a "$LOG" ;;
     attn) timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
+    attnsweep) timeout 400 python3 benchmarks/bench_decode_ops.py --json "$OUT/decode_ops.json" 2>&1 | tee -a "$LOG" ;;
     olmoe:*|qwen3:*)
       t=${stage#*:}; p=$([ "${stage%%:*}" = olmoe ] && echo olmoe-1b-7b || echo qwen3-30b-a3b)
       f=/tmp/$p-$t.gguf
