@@ -274,7 +274,7 @@ def attention_scratch(n_head: int, head_dim_v: int, n_splits: int,
 @triton.jit
 def _live_splits(len_ptr, window, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
     """-> (kv_len, start, live, n): the attended KV range [start, kv_len) of n positions is cut into
-    live = min(N_SPLITS, ceil(n / MIN_SPLIT)) >= 1 splits (`_attn_split`); the rest idle."""
+    live = min(N_SPLITS, ceil(n / MIN_SPLIT)) >= 1 splits (`_attn_split_kernel`); the rest idle."""
     kv_len = tl.load(len_ptr).to(tl.int32)
     start = tl.maximum(kv_len - window, 0)
     n = kv_len - start
