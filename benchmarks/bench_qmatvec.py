@@ -100,14 +100,16 @@ class Case:
             self.res = torch.randn(m, device=dev)
             self.wts = torch.rand(N_SEL, device=dev)
 
-    def fns(self, tile: Q.Tile | None) -> list[Callable[[], object]]:
+    def fns(self, tile: Q.Tile | None, ahead: int = 1) -> list[Callable[[], object]]:
+        """The byte kernels (qmatvec.py); ahead: down's experts_ahead (F32 / F16 / BF16)."""
         qt = self.qtype
         if self.kind == "mv":
             return [lambda w=w: Q.qmatvec(w, qt, self.x, self.out, self.res, tile=tile) for w in self.ws]
         if self.kind == "gate_up":
             return [lambda w=w, w2=w2, i=i: Q.moe_gate_up(w, w2, qt, qt, self.x, i, self.out, "silu", tile=tile)
                     for w, w2, i in self.launches]
-        return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile)
+        return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile,
+                                            experts_ahead=ahead)
                 for w, _, i in self.launches]
 
     def wfns(self, tile: W.WTile | None, copy: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -132,9 +134,9 @@ class Case:
                     for w, w2, i in launches]
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in launches]
 
-    def ifns(self, tile: W.WTile | None, words: int) -> list[Callable[[], object]]:
+    def ifns(self, tile: W.WTile | None, words: int, ahead: int = 1) -> list[Callable[[], object]]:
         """The integer-dot kernels (imatvec.py) on the same launches; x quantized once and the weights copied into
-        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region."""
+        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region. ahead: down's experts_ahead."""
         xq = I.quantize_x24(self.x)
         qt, copy = self.qtype, I.COPIES.get(self.qtype)
         done: dict[int, torch.Tensor] = self.__dict__.setdefault("_icopies", {})  # each weight tensor copied once
@@ -151,12 +153,12 @@ class Case:
                                                             qtype=qt)
                     for w, w2, i in launches]
         return [lambda w=w, i=i: I.moe_down_i(w, xq, i, self.wts, self.res, self.out, tile=tile, words=words,
-                                              qtype=qt)
+                                              qtype=qt, experts_ahead=ahead)
                 for w, _, i in launches]
 
-    def icheck(self, tile: W.WTile | None, words: int) -> float:
+    def icheck(self, tile: W.WTile | None, words: int, ahead: int = 1) -> float:
         """Largest |integer - word kernel| / max |word kernel| over one launch (same weights and x)."""
-        ifn, wfn = self.ifns(tile, words)[0], self.wfns(None)[0]
+        ifn, wfn = self.ifns(tile, words, ahead)[0], self.wfns(None)[0]
         wfn()
         want = self.out.clone()
         ifn()
@@ -214,6 +216,9 @@ def main() -> None:
     ap.add_argument("--itiles", default="",
                     help="integer-dot tiles to time (Q4_K, Q6_K, Q8_0): RxNBxWARPSxSTAGES[xWORDS] (Q4_K's words per "
                          "thread: 4 or 8) or default ('' = none)")
+    ap.add_argument("--ahead", default="1",
+                    help="down only: each --itiles tile (and the F32 / F16 / BF16 byte kernel) at each of these "
+                         "experts_ahead (comma-separated; > 1: that many experts' loads before their arithmetic)")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
@@ -238,6 +243,12 @@ def main() -> None:
             t = graph_time(case.fns(None))
             row = {"type": name, "case": label, "kind": case.kind, "M": m, "K": k, "bytes": case.bytes,
                    "tile": list(default), "us": t * 1e6, "GBps": case.bytes / t / 1e9, "pct_copy": case.bytes / t / bw}
+            aheads = [int(a) for a in args.ahead.split(",")] if case.kind == "down" else [1]
+            for ahead in [a for a in aheads if a > 1] if qt in Q.FLOATS else []:  # the byte kernel's experts ahead
+                ta = graph_time(case.fns(None, ahead))
+                row.setdefault("ahead", {})[ahead] = ta * 1e6
+                print(f"{name:5} {label:28} {ta * 1e6:8.2f} us {case.bytes / ta / 1e9:6.0f} GB/s experts_ahead {ahead}",
+                      flush=True)
             fns, nbytes = case.bf16_fns()
             tb = graph_time(fns)
             row["bf16_mv_GBps"] = nbytes / tb / 1e9
@@ -268,14 +279,16 @@ def main() -> None:
                     print(f"{name:5} {label:28} {tw * 1e6:8.2f} us {case.bytes / tw / 1e9:6.0f} GB/s words {spec} "
                           f"{layout}", flush=True)
                     torch.cuda.empty_cache()
-            for spec in [w for w in args.itiles.split(",") if w] if qt in I.LAYOUTS else []:
+            specs = [w for w in args.itiles.split(",") if w] if qt in I.LAYOUTS else []
+            for spec, ahead in [(sp, a) for sp in specs for a in aheads]:
                 parts = [] if spec == "default" else [int(v) for v in spec.split("x")]
                 words = parts[4] if len(parts) > 4 else I.WORDS_PER_THREAD
                 it = W.WTile(*parts[:4]) if parts else None
-                err = case.icheck(it, words)
-                ti = graph_time(case.ifns(it, words))
-                row.setdefault("int", {})[spec] = [ti * 1e6, err]
-                print(f"{name:5} {label:28} {ti * 1e6:8.2f} us {case.bytes / ti / 1e9:6.0f} GB/s int {spec} "
+                err = case.icheck(it, words, ahead)
+                ti = graph_time(case.ifns(it, words, ahead))
+                key = spec if ahead == 1 else f"{spec}@ahead{ahead}"
+                row.setdefault("int", {})[key] = [ti * 1e6, err]
+                print(f"{name:5} {label:28} {ti * 1e6:8.2f} us {case.bytes / ti / 1e9:6.0f} GB/s int {key} "
                       f"(rel. diff {err:.1e})", flush=True)
             rows.append(row)
             best = f"  best {tuple(row['best_tile'])} {row['best_us']:.2f} us {row['best_GBps']:.0f} GB/s" \

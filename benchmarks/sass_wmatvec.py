@@ -33,6 +33,7 @@ IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "imv8": "_imv_kernel", 
             "idown6": "_idown_kernel", "idown8": "_idown_kernel"}  # imatvec.py (Q4_K; *6 / *8: Q6_K / Q8_0 copies)
 ITYPES = {"6": 14, "8": 8}
 WORDS = ik.WORDS_PER_THREAD
+AHEAD = 1  # the integer down kernel's experts_ahead
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -78,7 +79,7 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
                                  words=WORDS)
             else:
                 ik.moe_down_i(w(E, N, F), ik.X24.empty((TOPK, F), cpu), ids, torch.ones(TOPK), torch.zeros(N),
-                              torch.empty(N), qtype=qt, tile=tile, words=WORDS)
+                              torch.empty(N), qtype=qt, tile=tile, words=WORDS, experts_ahead=AHEAD)
         elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
@@ -116,9 +117,11 @@ def main() -> None:
     ap.add_argument("--tiles", default="1x4x1x2,2x4x1x2,4x4x1x2,4x2x1x2,4x8x2x2", help="RxNBxWARPSxSTAGES")
     ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join([*KERNELS, *IKERNELS])}")
     ap.add_argument("--words", type=int, default=ik.WORDS_PER_THREAD, help="imatvec's qs words per thread")
+    ap.add_argument("--ahead", type=int, default=1,
+                    help="the integer down kernel's experts_ahead (> 1: no K loop; the whole kernel is counted)")
     args = ap.parse_args()
-    global WORDS
-    WORDS = args.words
+    global WORDS, AHEAD
+    WORDS, AHEAD = args.words, args.ahead
     cols = ["LDG", "LDS", "STS", "BAR", "I2F", "IALU", "MOV", "FP32", "FP16", "CTRL", "other"]
     print("| kernel | tile | regs | spill B | loop instr | /weight | " + " | ".join(cols) + " |")
     print("|---|---|---:|---:|---:|---:|" + "---:|" * len(cols))
@@ -132,6 +135,10 @@ def main() -> None:
             body = main_loop(sass)
             # weights a loop trip decodes
             per_trip = tile.rows * kw["NB"] * 256 * (2 if "gate_up" in kind else 1)
+            if kw.get("EU", 1) > 1:  # experts ahead: every loop unrolled; the whole kernel and all its weights
+                body = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+                body = [op for op in body if op != "NOP"]
+                per_trip = tile.rows * kw["N_BLOCKS"] * 256 * kw["N_SEL"]
             norm = 32 * tile.num_warps / per_trip
             cnt = Counter(classify(op) for op in body)
             mix = " | ".join(f"{cnt.get(c, 0) * norm:.2f}" for c in cols)

@@ -2,8 +2,8 @@
 
 An ops name is a base, optionally followed by features: "triton", "triton+FEATURE", "triton+FEATURE+OTHER".
 Features switch on variants that are prepared and tested but not yet measured faster, so that one device
-call can time each against the default (`benchmarks/ab_ops.sh`). There are none at present: each variant
-measured so far was either made the default or deleted.
+call can time each against the default (`moerun bench --ops A,B`). Each variant measured so far was either made
+the default or deleted; those below wait for their measurement.
 """
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-unpadded": {"ints": False, "pad": False},             # also the Q6_K matrices on the file's rows
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
-# feature -> what it switches on (`make_ops` sets its TritonOps arguments); none at present
-FEATURES: dict[str, str] = {}
-INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
+# feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
+FEATURES: dict[str, str] = {
+    "down2": "the integer down kernel loads 2 experts' rows before their arithmetic (imatvec.moe_down_i "
+             "experts_ahead=2)",
+    "down4": "the integer down kernel loads 4 experts' rows before their arithmetic, 2 rows per program "
+             "(experts_ahead=4)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"down2": {"down_ahead": 2}, "down4": {"down_ahead": 4}}
+INT_FEATURES: tuple[str, ...] = ("down2", "down4")  # features of the integer-dot kernels: only with base "triton"
 
 
 def features_text() -> str:
@@ -55,5 +61,6 @@ def make_ops(name: str) -> Any:
     from moerun.kernels.triton_ops import TritonOps
 
     kw = dict(BASES[base])
-    # each feature of `feats` sets its TritonOps arguments here (FEATURES is empty at present)
+    for f in feats:
+        kw.update(FEATURE_ARGS[f])
     return TritonOps(**kw)

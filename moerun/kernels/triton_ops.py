@@ -34,17 +34,20 @@ class TritonOps:
     integer-dot kernels, which read x quantized to 24 bits per value (`ints`; the producing RMSNorm, attention or,
     for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`).
     attn_fused: the attention's reduce done by the last program of each head in the split launch.
-    qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch."""
+    qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch.
+    down_ahead: the integer down kernel issues this many experts' loads before their arithmetic
+    (`imatvec.moe_down_i` experts_ahead; 1: one expert at a time)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
-                 qkv_fused: bool = True) -> None:
+                 qkv_fused: bool = True, down_ahead: int = 1) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
+        self.down_ahead = down_ahead
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -164,7 +167,8 @@ class TritonOps:
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
-            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype)
+            return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype,
+                                 experts_ahead=self.down_ahead)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")

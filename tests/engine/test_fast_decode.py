@@ -18,6 +18,7 @@ from support.tiny_models import TINY
 
 from moerun.engine.engine import Engine
 from moerun.errors import ContextOverflow
+from moerun.kernels.ops import FEATURES
 from moerun.kernels.torch_ops import TorchOps
 
 
@@ -30,7 +31,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes", *(f"triton+{f}" for f in FEATURES)] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -175,7 +176,7 @@ def test_make_ops_names() -> None:
     assert make_ops("triton").kernel_name(10).startswith("torch-dequant")
     with pytest.raises(MoerunError, match="unknown decode ops"):
         make_ops("cuda-magic")
-    # features after '+' (none at present): a base alone parses, an unknown feature is named with the list
+    # features after '+': a base alone parses, an unknown feature is named with the list
     assert parse_ops("triton") == ("triton", ()) and parse_ops("triton-bytes") == ("triton-bytes", ())
     with pytest.raises(MoerunError, match=r"unknown decode ops feature 'fast' in 'triton\+fast'; features: "):
         make_ops("triton+fast")
@@ -187,6 +188,11 @@ def test_make_ops_names() -> None:
     # the measured-faster variants are the default (NOTES.md 7v)
     t = make_ops("triton")
     assert t.qkv_fused and t.attn_fused and t.int_kinds == ik.INT_KINDS and 8 in ik.INT_KINDS
+    assert t.down_ahead == 1 and make_ops("triton+down2").down_ahead == 2 and make_ops("triton+down4").down_ahead == 4
+    assert not t.mv_ahead and make_ops("triton+mvahead+down2").mv_ahead
+    assert make_ops("triton-bytes+down2").down_ahead == 2  # the byte kernel's F32 / F16 / BF16 down takes it too
+    with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
+        make_ops("triton-words+mvahead")
 
 
 def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:

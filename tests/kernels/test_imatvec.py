@@ -238,6 +238,28 @@ def test_moe_down_i(tile, words, device, rng) -> None:
         check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
 
 
+@pytest.mark.parametrize("qtype,f", [(Q4_K, 768), (Q4_K, 512), (Q6_K, 512), (Q8_0, 768)])
+def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
+    """Experts loaded ahead of their arithmetic (2, 3 -> 2, 4 of 4; every K-step unrolled): bit for bit the one-expert
+    loop (the same sums in the same order), within the bound of the float64 product, poisoned output rows."""
+    gen, seed = rng
+    e, n = 5, 37
+    w, dw = _iweights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    hq, hd = _x24(vec(gen, 4, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    args = (w, hq, ids.to(device), wts.to(device), r.to(device))
+    one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype)
+    for ahead in (2, 3, 4):
+        out = torch.full((n,), float("nan"), device=device)
+        ik.moe_down_i(*args, out, qtype=qtype, experts_ahead=ahead)
+        check_bound(out, ref, bound, seed, f"{T(qtype).name} idown experts_ahead={ahead}")
+        assert torch.equal(out, one), f"experts_ahead={ahead} differs from the one-expert loop"
+
+
 def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""
@@ -252,6 +274,28 @@ def test_qmatvec_i2(device, rng) -> None:
         out, out2 = torch.full((37,), float("nan"), device=device), torch.full((m2,), float("nan"), device=device)
         ik.qmatvec_i2(w, Q4_K, out, w2, qt2, out2, xq)
         assert torch.equal(out, want) and torch.equal(out2, want2)
+
+
+@pytest.mark.parametrize("qtype,k,tile", [(Q4_K, 512, None), (Q4_K, 768, wk.WTile(2, 1)), (Q6_K, 512, None),
+                                         (Q8_0, 768, wk.WTile(1, 1))], ids=str)
+def test_qmatvec_i_ahead(qtype, k, tile, device, rng) -> None:
+    """Every load before the arithmetic (ahead=True, K-steps unrolled): bit for bit the default's output, alone and in
+    `qmatvec_i2`, with a residual, odd rows, poisoned outputs."""
+    gen, _ = rng
+    w, _ = _iweights(qtype, (37,), k, gen, device)
+    xq, _ = _x24(vec(gen, k), device)
+    r = vec(gen, 37).to(device)
+    want = ik.qmatvec_i(w, xq, torch.full((37,), float("nan"), device=device), r, qtype=qtype, tile=tile)
+    out = torch.full((37,), float("nan"), device=device)
+    ik.qmatvec_i(w, xq, out, r, qtype=qtype, tile=tile, ahead=True)
+    assert torch.equal(out, want)
+    if qtype != Q4_K:
+        wq, _ = _iweights(Q4_K, (21,), k, gen, device)
+        want2 = ik.qmatvec_i(wq, xq, torch.empty(21, device=device))
+        want = ik.qmatvec_i(w, xq, torch.empty(37, device=device), qtype=qtype)
+        outs = torch.full((21,), float("nan"), device=device), torch.full((37,), float("nan"), device=device)
+        ik.qmatvec_i2(wq, Q4_K, outs[0], w, qtype, outs[1], xq, ahead=True)
+        assert torch.equal(outs[0], want2) and torch.equal(outs[1], want)
 
 
 def test_deterministic(device, rng) -> None:

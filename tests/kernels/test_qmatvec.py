@@ -108,6 +108,30 @@ def test_moe_down(qtype, device, rng) -> None:
         _check(out, ref, bound, seed, f"down {qtype.name} ids={ids_list} tile={tile}")
 
 
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32, T.Q4_K], ids=lambda t: t.name)
+def test_moe_down_experts_ahead(qtype, device, rng) -> None:
+    """Experts loaded ahead of their arithmetic (F32 / F16 / BF16; other types ignore it): bit for bit the one-expert
+    loop, with two K-steps (a small tile) and one, 2 / 3 (-> 2) / 4 of 4 experts ahead, poisoned outputs."""
+    gen, seed = rng
+    e, n, f = 5, 37, 2 * SB
+    w, dw = _weights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    h = _vec(gen, 4, f)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = _vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], h.double())).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(),
+                                                                      h.double().abs())).sum(0)
+    args = (w, int(qtype), h.to(device), ids.to(device), wts.to(device), r.to(device))
+    for tile in (None, Tile(block_m=4, nb=256 // GEOMETRY[qtype][0], num_warps=2)):
+        one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile)
+        for ahead in (2, 3, 4):
+            out = torch.full((n,), float("nan"), device=device)
+            moe_down(*args, out, tile=tile, experts_ahead=ahead)
+            _check(out, ref, bound, seed, f"down {qtype.name} experts_ahead={ahead} tile={tile}")
+            assert torch.equal(out, one), f"{qtype.name} experts_ahead={ahead} tile={tile}"
+
+
 def test_deterministic(device, rng) -> None:
     gen, _ = rng
     raw, _ = _weights(T.Q4_K, (130,), 2 * SB, gen, device)

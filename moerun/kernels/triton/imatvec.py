@@ -181,32 +181,55 @@ def _dot24(xa, xb, xu, q, AX: tl.constexpr, SIGNED: tl.constexpr, EMU: tl.conste
 
 
 @triton.jit
-def _q4k_header(wp, bo, ok, scale):
-    """The headers of the Q4_K blocks starting at words bo [NB] from wp: d and dmin times scale (a scalar or [NB])
-    and the three scale words h1-h3, each [NB, 1]."""
+def _q4k_qs(wp, bo, ok, T: tl.constexpr):
+    """The qs words [NB, 4, S, T] of the Q4_K blocks starting at words bo [NB] from wp (`_cidx`'s order)."""
+    return tl.load(wp + (bo[:, None, None, None] + 4 + _cidx(T, 8)[None]), mask=ok, other=0)
+
+
+@triton.jit
+def _q4k_hwords(wp, bo, ok):
+    """The header words of the Q4_K blocks starting at words bo [NB] from wp: h0 (d, dmin) [NB] and the three scale
+    words h1-h3 [NB, 1]."""
     h0 = tl.load(wp + bo, mask=ok, other=0)
     h1 = tl.load(wp + bo + 1, mask=ok, other=0)[:, None]
     h2 = tl.load(wp + bo + 2, mask=ok, other=0)[:, None]
     h3 = tl.load(wp + bo + 3, mask=ok, other=0)[:, None]
-    return (_half(h0) * scale)[:, None], (_half(h0 >> 16) * scale)[:, None], h1, h2, h3
+    return h0, h1, h2, h3
 
 
 @triton.jit
-def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
-    """One row's blocks kb..: acc [NB, 4, S] += d sc s_x sum q X per sub-block (low and high nibbles),
-    accm [NB, 4] += dmin m sum x; the row's dot product is sum(acc) - sum(accm)."""
-    a0, b0, u0, a1, b1, u1, sx_lo, sx_hi, sum_lo, sum_hi = xt
-    bo = off + (kb + tl.arange(0, NB)) * 36  # [NB]
-    qs = tl.load(wp + (bo[:, None, None, None] + 4 + _cidx(T, 8)[None]), mask=ok, other=0)  # [NB, 4, S, T]
-    s_lo = _dot24(a0, b0, u0, qs & 0x0F0F0F0F, 3, False, EMU)  # [NB, 4, S]
+def _q4k_dots(qs, xt, EMU: tl.constexpr):
+    """sum q X per sub-block of qs words [NB, 4, S, T] against x tiles xt (`_ix_tiles`): low and high nibbles, each
+    [NB, 4, S] float32."""
+    a0, b0, u0, a1, b1, u1 = xt[0], xt[1], xt[2], xt[3], xt[4], xt[5]
+    s_lo = _dot24(a0, b0, u0, qs & 0x0F0F0F0F, 3, False, EMU)
     s_hi = _dot24(a1, b1, u1, (qs >> 4) & 0x0F0F0F0F, 3, False, EMU)
-    d, dmin, h1, h2, h3 = _q4k_header(wp, bo, ok, scale)
+    return s_lo, s_hi
+
+
+@triton.jit
+def _q4k_acc(s_lo, s_hi, hw, xt, scale, acc, accm):
+    """acc [NB, 4, S] += d sc s_x (the dots `_q4k_dots`) per sub-block, accm [NB, 4] += dmin m sum x, from the blocks'
+    header words hw (`_q4k_hwords`); d and dmin times scale (a scalar or [NB]). A row's dot product is sum(acc) -
+    sum(accm)."""
+    sx_lo, sx_hi, sum_lo, sum_hi = xt[6], xt[7], xt[8], xt[9]
+    h0, h1, h2, h3 = hw
+    d = (_half(h0) * scale)[:, None]
+    dmin = (_half(h0 >> 16) * scale)[:, None]
     c2 = 2 * tl.arange(0, 4)[None, :]
     sc_l, mn_l = _scale_min(h1, h2, h3, c2)  # [NB, 4]
     sc_h, mn_h = _scale_min(h1, h2, h3, c2 + 1)
     acc += (d * sc_l * sx_lo)[:, :, None] * s_lo + (d * sc_h * sx_hi)[:, :, None] * s_hi
     accm += dmin * (mn_l * sum_lo + mn_h * sum_hi)
     return acc, accm
+
+
+@triton.jit
+def _irow_step(wp, off, ok, kb, xt, scale, acc, accm, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+    """One row's blocks kb..: `_q4k_acc` of its words, loaded here (the header after the dots)."""
+    bo = off + (kb + tl.arange(0, NB)) * 36  # [NB]
+    s_lo, s_hi = _q4k_dots(_q4k_qs(wp, bo, ok, T), xt, EMU)
+    return _q4k_acc(s_lo, s_hi, _q4k_hwords(wp, bo, ok), xt, scale, acc, accm)
 
 
 @triton.jit
@@ -222,17 +245,58 @@ def _ib_tiles(xh_ptr, xl_ptr, xs_ptr, kb, NB: tl.constexpr):
 
 
 @triton.jit
+def _ibyte_words(wp, bo, ok):
+    """The weight words [NB, 16 (run s), 4 (word j)] of the Q6I / Q8I blocks starting at words bo [NB] from wp (word j
+    of run s holds weights 16 s + 4 j + 0..3, as `_ib_tiles`)."""
+    s = tl.arange(0, 16)
+    return tl.load(wp + (bo[:, None, None] + 4 * s[None, :, None] + tl.arange(0, 4)[None, None, :]), mask=ok, other=0)
+
+
+@triton.jit
+def _i6_dbits(hp, bo, ok):
+    """The Q6I blocks' scales d as fp16 bits (int16 [NB]); hp: the int16 view of the words that bo [NB] counts in."""
+    return tl.load(hp + 2 * bo + 136, mask=ok, other=0)
+
+
+@triton.jit
+def _i6_sc(bp, bo, ok):
+    """The Q6I blocks' sub-block scales (int8 [NB, 16]); bp: the int8 view of the words that bo [NB] counts in."""
+    return tl.load(bp + 4 * bo[:, None] + 256 + tl.arange(0, 16)[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def _i6_d(dbits, scale):
+    """d times scale, float32 [NB], from `_i6_dbits`."""
+    return dbits.to(tl.float16, bitcast=True).to(tl.float32) * scale
+
+
+@triton.jit
+def _i6_acc(dots, d, sc, sx, acc):
+    """acc [NB, 16] += d sc s_x dots per sub-block (d: `_i6_d`, sc: `_i6_sc`)."""
+    return acc + (d[:, None] * sc.to(tl.float32) * sx) * dots
+
+
+@triton.jit
+def _i8_scales(wp, bo, ok):
+    """The Q8I groups' block scales d as float32 bits [NB, 16] (one per 16 weights, each of its block's two runs)."""
+    return tl.load(wp + (bo[:, None] + 64 + tl.arange(0, 16)[None, :] // 2), mask=ok, other=0)
+
+
+@triton.jit
+def _i8_acc(dots, d, sx, scale, acc):
+    """acc [NB, 16] += d s_x dots per 16 weights (`_i8_scales`' d, times scale)."""
+    return acc + (d.to(tl.float32, bitcast=True) * scale * sx) * dots
+
+
+@triton.jit
 def _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexpr):
     """One Q6I row's blocks kb..: acc [NB, 16] += d sc s_x sum (q - 32) X per sub-block. off: the row's first word
     from wp (the int16 / int8 views hp / bp start at the same byte)."""
     a, b, u, sx = xt
     bo = off + (kb + tl.arange(0, NB)) * 72  # [NB] first word of each block
-    s = tl.arange(0, 16)
-    w = tl.load(wp + (bo[:, None, None] + 4 * s[None, :, None] + tl.arange(0, 4)[None, None, :]), mask=ok, other=0)
-    dots = _dot24(a, b, u, w, 2, True, EMU)  # [NB, 16]
-    d = tl.load(hp + 2 * bo + 136, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32) * scale  # [NB]
-    sc = tl.load(bp + 4 * bo[:, None] + 256 + s[None, :], mask=ok, other=0).to(tl.float32)  # [NB, 16]
-    return acc + (d[:, None] * sc * sx) * dots
+    dots = _dot24(a, b, u, _ibyte_words(wp, bo, ok), 2, True, EMU)  # [NB, 16]
+    d = _i6_d(_i6_dbits(hp, bo, ok), scale)
+    return _i6_acc(dots, d, _i6_sc(bp, bo, ok), sx, acc)
 
 
 @triton.jit
@@ -241,11 +305,8 @@ def _i8_step(wp, off, ok, kb, xt, scale, acc, NB: tl.constexpr, EMU: tl.constexp
     float32 after the 256 bytes). off: the row's first word from wp."""
     a, b, u, sx = xt
     bo = off + (kb + tl.arange(0, NB)) * 72  # [NB] first word of each 256-weight group
-    s = tl.arange(0, 16)
-    w = tl.load(wp + (bo[:, None, None] + 4 * s[None, :, None] + tl.arange(0, 4)[None, None, :]), mask=ok, other=0)
-    dots = _dot24(a, b, u, w, 2, True, EMU)  # [NB, 16]
-    d = tl.load(wp + (bo[:, None] + 64 + s[None, :] // 2), mask=ok, other=0).to(tl.float32, bitcast=True)
-    return acc + (d * scale * sx) * dots
+    dots = _dot24(a, b, u, _ibyte_words(wp, bo, ok), 2, True, EMU)  # [NB, 16]
+    return _i8_acc(dots, _i8_scales(wp, bo, ok), sx, scale, acc)
 
 
 @triton.jit
@@ -267,6 +328,51 @@ def _istep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, accm, NB: 
         acc = _i6_step(wp, hp, bp, off, ok, kb, xt, scale, acc, NB, EMU)
     else:
         acc = _i8_step(wp, off, ok, kb, xt, scale, acc, NB, EMU)
+    return acc, accm
+
+
+@triton.jit
+def _iwords(QT: tl.constexpr, wp, hp, bp, off, ok, kb, NB: tl.constexpr, T: tl.constexpr):
+    """One row's words for blocks kb.. in layout QT, loaded and not yet used (`_iwords_acc` takes them): Q4_K (qs,
+    header words), Q6I (words, d bits, sc), Q8I (words, d bits)."""
+    if QT == 12:
+        bo = off + (kb + tl.arange(0, NB)) * 36
+        raw = (_q4k_qs(wp, bo, ok, T), _q4k_hwords(wp, bo, ok))
+    elif QT == 2014:
+        bo = off + (kb + tl.arange(0, NB)) * 72
+        raw = (_ibyte_words(wp, bo, ok), _i6_dbits(hp, bo, ok), _i6_sc(bp, bo, ok))
+    else:
+        bo = off + (kb + tl.arange(0, NB)) * 72
+        raw = (_ibyte_words(wp, bo, ok), _i8_scales(wp, bo, ok))
+    return raw
+
+
+@triton.jit
+def _ipin(QT: tl.constexpr, raw, z):
+    """`_iwords`' words ORed with z, an int32 zero read after a barrier: the arithmetic on them then cannot start
+    before that read, so ptxas cannot schedule it (and its waits on the loads) among the loads before the barrier."""
+    if QT == 12:
+        h0, h1, h2, h3 = raw[1]
+        pinned = (raw[0] | z, (h0 | z, h1 | z, h2 | z, h3 | z))
+    elif QT == 2014:
+        pinned = (raw[0] | z, raw[1] | z.to(tl.int16), raw[2] | z.to(tl.int8))
+    else:
+        pinned = (raw[0] | z, raw[1] | z)
+    return pinned
+
+
+@triton.jit
+def _iwords_acc(QT: tl.constexpr, raw, xt, scale, acc, accm, EMU: tl.constexpr):
+    """`_istep`'s arithmetic on words `_iwords` loaded -> (acc, accm)."""
+    if QT == 12:
+        s_lo, s_hi = _q4k_dots(raw[0], xt, EMU)
+        acc, accm = _q4k_acc(s_lo, s_hi, raw[1], xt, scale, acc, accm)
+    elif QT == 2014:
+        dots = _dot24(xt[0], xt[1], xt[2], raw[0], 2, True, EMU)  # [NB, 16]
+        acc = _i6_acc(dots, _i6_d(raw[1], scale), raw[2], xt[3], acc)
+    else:
+        dots = _dot24(xt[0], xt[1], xt[2], raw[0], 2, True, EMU)
+        acc = _i8_acc(dots, raw[1], xt[3], scale, acc)
     return acc, accm
 
 
@@ -416,22 +522,70 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
 
 
 @triton.jit
+def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
+                   row0, N, stride_e, accs, accms, SW: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                   R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr):
+    """`_idown_kernel`'s experts EU at a time: every expert id and weight read first, then per group of EU experts all
+    their words and x tiles loaded (whole rows: every K-step unrolled), a CTA barrier so that none of those loads waits
+    behind the group's arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order)."""
+    STEPS: tl.constexpr = N_BLOCKS // NB
+    eids = ()
+    wts = ()
+    for i in tl.static_range(N_SEL):
+        eids = eids + (tl.load(ids_ptr + i).to(tl.int64),)
+        wts = wts + (tl.load(wts_ptr + i),)
+    for g in tl.static_range(0, N_SEL, EU):
+        pend = ()
+        for u in tl.static_range(EU):
+            start = eids[g + u] * stride_e + row0.to(tl.int64) * SW
+            xo = (g + u) * (64 * N_BLOCKS)  # h row g + u (as `_idown_kernel`)
+            so = (g + u) * (8 * N_BLOCKS)
+            for j in tl.static_range(STEPS):
+                xt = _itiles(QT, hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so, j * NB, NB, T)
+                rws = ()
+                for r in tl.static_range(R):
+                    rws = rws + (_iwords(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, r * SW,
+                                         row0 + r < N, j * NB, NB, T),)
+                pend = pend + ((xt, rws),)
+        tl.debug_barrier()  # the loads above are issued before any arithmetic below waits on one of them:
+        z = tl.load(ids_ptr).to(tl.int32) >> 31  # 0 (ids >= 0), read after the barrier (an L1 hit); see `_ipin`
+        for u in tl.static_range(EU):
+            for j in tl.static_range(STEPS):
+                xt, rws = pend[u * STEPS + j]
+                new_accs = ()
+                new_accms = ()
+                for r in tl.static_range(R):
+                    a, am = _iwords_acc(QT, _ipin(QT, rws[r], z), xt, wts[g + u], accs[r], accms[r], EMU)
+                    new_accs = new_accs + (a,)
+                    new_accms = new_accms + (am,)
+                accs = new_accs
+                accms = new_accms
+    return accs, accms
+
+
+@triton.jit
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
                   stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
-    weight folded into the scales, experts summed in order."""
+    weight folded into the scales, experts summed in order. EU > 1: the experts' loads EU at a time ahead of their
+    arithmetic (`_idown_experts`, EU divides N_SEL)."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
     accs, accms = _izeros(QT, R, NB, T)
-    for i in range(N_SEL):
-        eid = tl.load(ids_ptr + i).to(tl.int64)
-        start = eid * stride_e + row0.to(tl.int64) * SW
-        xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
-        accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N, hh_ptr + xo,
-                                 hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS), hsum_ptr + i * (8 * N_BLOCKS),
-                                 tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
+    if EU > 1:
+        accs, accms = _idown_experts(QT, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
+                                     row0, N, stride_e, accs, accms, SW, N_BLOCKS, N_SEL, R, NB, T, EU, EMU)
+    else:
+        for i in range(N_SEL):
+            eid = tl.load(ids_ptr + i).to(tl.int64)
+            start = eid * stride_e + row0.to(tl.int64) * SW
+            xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
+            accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
+                                     hh_ptr + xo, hl_ptr + xo, hs_ptr + i * (8 * N_BLOCKS),
+                                     hsum_ptr + i * (8 * N_BLOCKS), tl.load(wts_ptr + i), accs, accms, SW, N_BLOCKS,
+                                     R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
@@ -453,6 +607,9 @@ ITILES = {("mv", Q4_K): WTile(2, 8), ("mv_big", Q4_K): WTile(4, 8), ("gate_up", 
           ("mv", Q6I): WTile(2, 4), ("gate_up", Q6I): WTile(2, 2), ("down", Q6I): WTile(1, 2),
           ("mv", Q8I): WTile(2, 4), ("gate_up", Q8I): WTile(2, 2), ("down", Q8I): WTile(1, 2)}
 BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES[("mv_big", layout)] where there is one
+# down's tiles per experts_ahead (> 1) and layout, where not ITILES': one wave of one-warp programs at the OLMoE sizes
+# (static sm_90 SASS, NOTES.md 7x: 4 ahead at one row per program needs 254 registers, 8 warps per SM for 15.5 programs)
+AHEAD_TILES = {(2, Q8I): WTile(2, 4), (4, Q6I): WTile(2, 4), (4, Q8I): WTile(2, 4)}
 
 
 def quantize_x24(x: torch.Tensor, out: X24 | None = None) -> X24:
@@ -582,15 +739,17 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD, experts_ahead: int = 1) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
-    residual / out: f32 [N] (out may be residual). Returns out."""
+    residual / out: f32 [N] (out may be residual). experts_ahead: the experts whose loads a program issues before
+    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
-    t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))
+    eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
+    t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EMU=_EMU,
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages)
     return out
