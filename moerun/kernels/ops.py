@@ -22,13 +22,15 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {
-    "down2": "the integer down kernel loads 2 experts' rows before their arithmetic (imatvec.moe_down_i "
-             "experts_ahead=2)",
-    "down4": "the integer down kernel loads 4 experts' rows before their arithmetic, 2 rows per program "
-             "(experts_ahead=4)",
+    "down2": "the down kernels (integer; F32 / F16 / BF16) load 2 experts' rows before their arithmetic "
+             "(experts_ahead=2)",
+    "down4": "as down2 with 4 experts (the integer Q6_K / Q8_0 kernels at 2 rows per program)",
+    "mvahead": "the integer matvecs (q/k/v, o, output) issue all their loads before their arithmetic "
+               "(imatvec.qmatvec_i ahead=True)",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"down2": {"down_ahead": 2}, "down4": {"down_ahead": 4}}
-INT_FEATURES: tuple[str, ...] = ("down2", "down4")  # features of the integer-dot kernels: only with base "triton"
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"down2": {"down_ahead": 2}, "down4": {"down_ahead": 4},
+                                           "mvahead": {"mv_ahead": True}}
+INT_FEATURES: tuple[str, ...] = ("mvahead",)  # features of the integer-dot kernels: only with base "triton"
 
 
 def features_text() -> str:

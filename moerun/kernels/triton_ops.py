@@ -35,19 +35,21 @@ class TritonOps:
     for down, the integer gate/up writes it); Q6_K's and Q8_0's through a load-time copy (`repack`).
     attn_fused: the attention's reduce done by the last program of each head in the split launch.
     qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch.
-    down_ahead: the integer down kernel issues this many experts' loads before their arithmetic
-    (`imatvec.moe_down_i` experts_ahead; 1: one expert at a time)."""
+    down_ahead: the down kernels (integer, and the byte kernel's F32 / F16 / BF16) issue this many experts' loads
+    before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
+    mv_ahead: the integer matvecs issue all their loads before their arithmetic (`imatvec.qmatvec_i` ahead)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
-                 qkv_fused: bool = True, down_ahead: int = 1) -> None:
+                 qkv_fused: bool = True, down_ahead: int = 1, mv_ahead: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
+        self.mv_ahead = mv_ahead
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -115,7 +117,7 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
         if x24 is not None and self.ints_take(qtype, "mv", w, x.shape[-1]):
-            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, ahead=self.mv_ahead)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -130,7 +132,7 @@ class TritonOps:
         if (self.qkv_fused and x24 is not None and len(prods) == 2 and prods[0][1] != prods[1][1]
                 and all(self.ints_take(qt, "mv", w, k) for w, qt, _ in prods)):
             (w, qt, out), (w2, qt2, out2) = prods
-            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24)
+            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24, ahead=self.mv_ahead)
             return
         for w, qt, out in prods:
             self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)
@@ -175,7 +177,7 @@ class TritonOps:
             return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out)
+        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead)
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""

@@ -420,14 +420,21 @@ def _irows_dot(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xs
 @triton.jit
 def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
               U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-              HAS_RES: tl.constexpr, EMU: tl.constexpr):
-    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product."""
+              HAS_RES: tl.constexpr, EMU: tl.constexpr, AHEAD: tl.constexpr = False):
+    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product; AHEAD: every load issued before the arithmetic (a CTA
+    barrier, `_irows_load`), the same sums in the same order."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = pid * R
     start = row0.to(tl.int64) * SW
     accs, accms = _izeros(QT, R, NB, T)
-    accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr,
-                             xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
+    if AHEAD:
+        pend = _irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr, xs_ptr,
+                           xsum_ptr, SW, N_BLOCKS, R, NB, T)
+        tl.debug_barrier()
+        accs, accms = _irows_math(QT, pend, _izero(xs_ptr), 1.0, accs, accms, N_BLOCKS // NB, R, EMU)
+    else:
+        accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr,
+                                 xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r])
@@ -439,28 +446,28 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
 @triton.jit
 def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
                 U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-                HAS_RES: tl.constexpr, EMU: tl.constexpr):
+                HAS_RES: tl.constexpr, EMU: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
     read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]."""
     _imv_rows(tl.program_id(0), w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT, U,
-              N_BLOCKS, R, NB, T, HAS_RES, EMU)
+              N_BLOCKS, R, NB, T, HAS_RES, EMU, AHEAD)
 
 
 @triton.jit
 def _imv2_kernel(w_ptr, w16_ptr, w8_ptr, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out2_ptr,
                  M, M2, P1, QT: tl.constexpr, U: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                  QT2: tl.constexpr, U2: tl.constexpr, R2: tl.constexpr, NB2: tl.constexpr, N_BLOCKS: tl.constexpr,
-                 T: tl.constexpr, EMU: tl.constexpr):
+                 T: tl.constexpr, EMU: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (P1 + cdiv(M2, R2),): two matrices of different layouts over the same x24 of [K] in one launch (a
     layer's q/k and v runs of two types): programs below P1 = cdiv(M, R) do `_imv_kernel`'s work for w [M, ...] ->
     out [M], the rest for v [M2, ...] -> out2 [M2] (no residual)."""
     pid = tl.program_id(0)
     if pid < P1:
         _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out_ptr, M, QT, U,
-                  N_BLOCKS, R, NB, T, False, EMU)
+                  N_BLOCKS, R, NB, T, False, EMU, AHEAD)
     else:
         _imv_rows(pid - P1, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out2_ptr, out2_ptr, M2, QT2,
-                  U2, N_BLOCKS, R2, NB2, T, False, EMU)
+                  U2, N_BLOCKS, R2, NB2, T, False, EMU, AHEAD)
 
 
 @triton.jit
@@ -522,44 +529,68 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
 
 
 @triton.jit
+def _izero(xs_ptr):
+    """0 as int32, read from memory: the sign bit of x24's first scale (>= 0). Read after a barrier, ORed into loaded
+    words (`_ipin`)."""
+    return tl.load(xs_ptr).to(tl.int32, bitcast=True) >> 31
+
+
+@triton.jit
+def _irows_load(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, SW: tl.constexpr,
+                N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
+    """`_irows_dot`'s loads, every K-step unrolled and none used: ((x tiles, (row words per row)) per K-step)."""
+    pend = ()
+    for j in tl.static_range(N_BLOCKS // NB):
+        xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, j * NB, NB, T)
+        rws = ()
+        for r in tl.static_range(R):
+            rws = rws + (_iwords(QT, wp, hp, bp, r * SW, row0 + r < M, j * NB, NB, T),)
+        pend = pend + ((xt, rws),)
+    return pend
+
+
+@triton.jit
+def _irows_math(QT: tl.constexpr, pend, z, scale, accs, accms, STEPS: tl.constexpr, R: tl.constexpr,
+                EMU: tl.constexpr):
+    """`_irows_dot`'s arithmetic (the same order) on `_irows_load`'s words for STEPS K-steps, pinned by z (`_ipin`)."""
+    for j in tl.static_range(STEPS):
+        xt, rws = pend[j]
+        new_accs = ()
+        new_accms = ()
+        for r in tl.static_range(R):
+            a, am = _iwords_acc(QT, _ipin(QT, rws[r], z), xt, scale, accs[r], accms[r], EMU)
+            new_accs = new_accs + (a,)
+            new_accms = new_accms + (am,)
+        accs = new_accs
+        accms = new_accms
+    return accs, accms
+
+
+@triton.jit
 def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
                    row0, N, stride_e, accs, accms, SW: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
                    R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr):
     """`_idown_kernel`'s experts EU at a time: every expert id and weight read first, then per group of EU experts all
-    their words and x tiles loaded (whole rows: every K-step unrolled), a CTA barrier so that none of those loads waits
-    behind the group's arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order)."""
-    STEPS: tl.constexpr = N_BLOCKS // NB
+    their words and x tiles loaded (`_irows_load`), a CTA barrier so that none of those loads waits behind the group's
+    arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order)."""
     eids = ()
     wts = ()
     for i in tl.static_range(N_SEL):
         eids = eids + (tl.load(ids_ptr + i).to(tl.int64),)
         wts = wts + (tl.load(wts_ptr + i),)
     for g in tl.static_range(0, N_SEL, EU):
-        pend = ()
+        pends = ()
         for u in tl.static_range(EU):
             start = eids[g + u] * stride_e + row0.to(tl.int64) * SW
             xo = (g + u) * (64 * N_BLOCKS)  # h row g + u (as `_idown_kernel`)
             so = (g + u) * (8 * N_BLOCKS)
-            for j in tl.static_range(STEPS):
-                xt = _itiles(QT, hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so, j * NB, NB, T)
-                rws = ()
-                for r in tl.static_range(R):
-                    rws = rws + (_iwords(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, r * SW,
-                                         row0 + r < N, j * NB, NB, T),)
-                pend = pend + ((xt, rws),)
-        tl.debug_barrier()  # the loads above are issued before any arithmetic below waits on one of them:
-        z = tl.load(ids_ptr).to(tl.int32) >> 31  # 0 (ids >= 0), read after the barrier (an L1 hit); see `_ipin`
+            pends = pends + (_irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
+                                         hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so, SW, N_BLOCKS, R, NB,
+                                         T),)
+        tl.debug_barrier()  # the loads above are issued before any arithmetic below waits on one of them
+        z = tl.load(ids_ptr).to(tl.int32) >> 31  # 0 (ids >= 0), read after the barrier: see `_ipin`
         for u in tl.static_range(EU):
-            for j in tl.static_range(STEPS):
-                xt, rws = pend[u * STEPS + j]
-                new_accs = ()
-                new_accms = ()
-                for r in tl.static_range(R):
-                    a, am = _iwords_acc(QT, _ipin(QT, rws[r], z), xt, wts[g + u], accs[r], accms[r], EMU)
-                    new_accs = new_accs + (a,)
-                    new_accms = new_accms + (am,)
-                accs = new_accs
-                accms = new_accms
+            accs, accms = _irows_math(QT, pends[u], z, wts[g + u], accs, accms, N_BLOCKS // NB, R, EMU)
     return accs, accms
 
 
@@ -610,6 +641,9 @@ BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES[("mv_big"
 # down's tiles per experts_ahead (> 1) and layout, where not ITILES': one wave of one-warp programs at the OLMoE sizes
 # (static sm_90 SASS, NOTES.md 7x: 4 ahead at one row per program needs 254 registers, 8 warps per SM for 15.5 programs)
 AHEAD_TILES = {(2, Q8I): WTile(2, 4), (4, Q6I): WTile(2, 4), (4, Q8I): WTile(2, 4)}
+# the matvecs' tiles with every load ahead (`qmatvec_i` ahead), where not ITILES': Q6I / Q8I in one K-step (unrolled,
+# two steps of 4 blocks hold 128 registers; one of 8: 96 for Q6I, so a fused q/k/v launch keeps ~21 warps per SM)
+MV_AHEAD_TILES = {Q6I: WTile(2, 8), Q8I: WTile(2, 8)}
 
 
 def quantize_x24(x: torch.Tensor, out: X24 | None = None) -> X24:
@@ -669,39 +703,43 @@ def _iviews(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ..
                      f"K = {k} (Q4_K rows, or Q6_K / Q8_0 as their contiguous `imatvec.COPIES` copy)")
 
 
-def _itile(kind: str, qt: int, m: int) -> WTile:
+def _itile(kind: str, qt: int, m: int, ahead: bool = False) -> WTile:
+    if ahead and kind == "mv" and qt in MV_AHEAD_TILES:
+        return MV_AHEAD_TILES[qt]
     return ITILES.get((kind + ("_big" if kind == "mv" and m >= BIG_ROWS else ""), qt)) or ITILES[(kind, qt)]
 
 
 def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor | None = None,
-              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD,
+              ahead: bool = False) -> torch.Tensor:
     """out[M] = W[M, K] @ x[K] (+ residual[M]). w: uint8 [M, row_bytes], a Q4_K matrix or (qtype Q6_K / Q8_0) its
-    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). Returns out."""
+    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). ahead: each program issues all its
+    loads (every K-step unrolled) before its arithmetic (`_irows_load`, as down's experts_ahead). Returns out."""
     m, k = w.shape[0], x.hi.shape[-1]
     views, units, qt = _iviews(qtype, w, k)
-    t = wtile_for("mv", m, k, m, w.device, tile or _itile("mv", qt, m))
+    t = wtile_for("mv", m, k, m, w.device, tile or _itile("mv", qt, m, ahead))
     _imv_kernel[(triton.cdiv(m, t.rows),)](
         *views, *_xviews(x, k), out if residual is None else residual, out, m,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        AHEAD=ahead, num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
 def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor, qtype2: int, out2: torch.Tensor,
-               x: X24, *, words: int = WORDS_PER_THREAD) -> tuple[torch.Tensor, torch.Tensor]:
+               x: X24, *, words: int = WORDS_PER_THREAD, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """out = W @ x and out2 = W2 @ x in one launch (`_imv2_kernel`), each matrix as `qmatvec_i` takes it (its own
-    type, layout and default tile); their tiles must have the same warps. Returns (out, out2)."""
+    type, layout and default tile, `ahead` as there); their tiles must have the same warps. Returns (out, out2)."""
     k = x.hi.shape[-1]
     (views, units, qt), (views2, units2, qt2) = _iviews(qtype, w, k), _iviews(qtype2, w2, k)
     m, m2 = w.shape[0], w2.shape[0]
-    t = wtile_for("mv", m, k, m, w.device, _itile("mv", qt, m))
-    t2 = wtile_for("mv", m2, k, m2, w2.device, _itile("mv", qt2, m2))
+    t = wtile_for("mv", m, k, m, w.device, _itile("mv", qt, m, ahead))
+    t2 = wtile_for("mv", m2, k, m2, w2.device, _itile("mv", qt2, m2, ahead))
     if t.num_warps != t2.num_warps:
         raise ValueError(f"qmatvec_i2: the two matrices' tiles differ in warps ({t} vs {t2})")
     p1 = triton.cdiv(m, t.rows)
     _imv2_kernel[(p1 + triton.cdiv(m2, t2.rows),)](
         *views, *views2, *_xviews(x, k), out, out2, m, m2, p1, QT=qt, U=units, R=t.rows, NB=t.nb, QT2=qt2,
-        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, num_warps=t.num_warps,
+        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, AHEAD=ahead, num_warps=t.num_warps,
         num_stages=max(t.num_stages, t2.num_stages))
     return out, out2
 

@@ -41,6 +41,7 @@ GEOMETRY: dict[int, tuple[int, int, torch.dtype | None]] = {
     14: (256, 210, None),  # Q6_K
 }
 SUPPORTED: frozenset[int] = frozenset(GEOMETRY)
+FLOATS: frozenset[int] = frozenset(q for q, g in GEOMETRY.items() if g[2] is not None)  # F32, F16, BF16
 
 ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu_tanh": 1}
 
@@ -191,22 +192,66 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
+def _float_words(wrow, rmask, kb, n_blocks, x_ptr, NB: tl.constexpr):
+    """`qblocks._float`'s loads: F32 / F16 / BF16 weights [BM, NB] as loaded, x [NB] f32."""
+    k = kb + tl.arange(0, NB)
+    km = k < n_blocks
+    w = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+    return w, tl.load(x_ptr + k, mask=km, other=0.0)
+
+
+@triton.jit
+def _pin_float(w, z):
+    """w (F32 / F16 / BF16) ORed bitwise with z, an int32 zero read after a barrier: its arithmetic cannot be
+    scheduled above that read (imatvec `_ipin`)."""
+    if w.dtype == tl.float32:
+        bits = tl.int32
+    else:
+        bits = tl.int16
+    return (w.to(bits, bitcast=True) | z.to(bits)).to(w.dtype, bitcast=True)
+
+
+@triton.jit
 def _moe_down_kernel(
     w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
     N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+    EU: tl.constexpr,
 ):
     """Grid (cdiv(N, BM),). w: [E, N, row] bytes, h: [n_sel, F] f32, ids/wts: [n_sel], res/out: [N] f32.
 
-    Experts are summed inside the program in order i = 0 .. n_sel-1 (deterministic, no atomics).
+    Experts are summed inside the program in order i = 0 .. n_sel-1 (deterministic, no atomics). EU > 1 (F32 / F16 /
+    BF16 only): the weights and h of EU experts (every K-step unrolled) are loaded before any of their arithmetic (a
+    CTA barrier, then a zero read ORed into the weights), the same sums in the same order.
     """
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     r64 = rows.to(tl.int64) * stride_m
     acc = tl.zeros([BM], dtype=tl.float32)
-    for i in range(N_SEL):
-        eid = tl.load(ids_ptr + i).to(tl.int64)
-        part = row_dot(w_ptr + eid * stride_e + r64, rmask, h_ptr + i * stride_h, N_BLOCKS, QTYPE, BM, NB)
-        acc += tl.load(wts_ptr + i) * part
+    if EU > 1:
+        eids = ()
+        wts = ()
+        for i in tl.static_range(N_SEL):
+            eids = eids + (tl.load(ids_ptr + i).to(tl.int64),)
+            wts = wts + (tl.load(wts_ptr + i),)
+        for g in tl.static_range(0, N_SEL, EU):
+            pend = ()
+            for u in tl.static_range(EU):
+                for j in tl.static_range(N_BLOCKS // NB):
+                    pend = pend + (_float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
+                                                h_ptr + (g + u) * stride_h, NB),)
+            tl.debug_barrier()  # the loads above are issued before any arithmetic below waits on one of them
+            z = tl.load(ids_ptr).to(tl.int32) >> 31  # 0 (ids >= 0), read after the barrier
+            for u in tl.static_range(EU):
+                part = zeros(QTYPE, BM, NB)
+                for j in tl.static_range(N_BLOCKS // NB):
+                    w, x = pend[u * (N_BLOCKS // NB) + j]
+                    part += _pin_float(w, z).to(tl.float32) * x[None, :]
+                acc += wts[g + u] * total(part, QTYPE)
+    else:
+        for i in range(N_SEL):
+            eid = tl.load(ids_ptr + i).to(tl.int64)
+            part = row_dot(w_ptr + eid * stride_e + r64, rmask, h_ptr + i * stride_h, N_BLOCKS, QTYPE, BM, NB)
+            acc += tl.load(wts_ptr + i) * part
     acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
     tl.store(out_ptr + rows, acc, mask=rmask)
 
@@ -286,19 +331,23 @@ def moe_down(
     out: torch.Tensor,
     *,
     tile: Tile | None = None,
+    experts_ahead: int = 1,
 ) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), summed in order i = 0..n_sel-1.
 
     w_down: uint8 [E, N, row_bytes]; h: float32 [n_sel, F] (rows contiguous); ids: int32/int64 [n_sel];
-    weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). Returns out.
+    weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). experts_ahead (F32 / F16 / BF16; the
+    other types ignore it): the experts whose loads a program issues before their arithmetic (the largest divisor
+    of n_sel up to it). Returns out.
     """
     _check(qtype)
     n, f, n_sel = w_down.shape[1], h.shape[1], h.shape[0]
     t = tile or tile_for("down", qtype, n, f, n_sel, w_down.device)
+    eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0) if qtype in FLOATS else 1
     wt = _typed(w_down, qtype)
     _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
         wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
-        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb,
+        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb, EU=eu,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
