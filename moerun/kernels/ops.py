@@ -27,10 +27,12 @@ FEATURES: dict[str, str] = {
     "down4": "as down2 with 4 experts (the integer Q6_K / Q8_0 kernels at 2 rows per program)",
     "mvahead": "the integer matvecs (q/k/v, o, output) issue all their loads before their arithmetic "
                "(imatvec.qmatvec_i ahead=True)",
+    "dnorm": "no RMSNorm launch before attention or the output: the down launch before it and the integer "
+             "matvecs after it do its work (imatvec NextNorm)",
 }
 FEATURE_ARGS: dict[str, dict[str, Any]] = {"down2": {"down_ahead": 2}, "down4": {"down_ahead": 4},
-                                           "mvahead": {"mv_ahead": True}}
-INT_FEATURES: tuple[str, ...] = ("mvahead",)  # features of the integer-dot kernels: only with base "triton"
+                                           "mvahead": {"mv_ahead": True}, "dnorm": {"dnorm": True}}
+INT_FEATURES: tuple[str, ...] = ("mvahead", "dnorm")  # features of the integer-dot kernels: only with base "triton"
 
 
 def features_text() -> str:

@@ -31,7 +31,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-OPS = ["torch"] + (["triton", "triton-bytes", *(f"triton+{f}" for f in FEATURES)] if TEST_DEVICE == "cuda" else [])
+OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])  # features: test_features_in_the_step
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 
 
@@ -235,12 +235,13 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors under Triton's interpreter only (on CUDA the tests above run the Triton step)")
-def test_triton_step_in_the_interpreter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ops", ["triton", "triton+" + "+".join(FEATURES)])
+def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
     """The Triton ops' step on the CPU under Triton's interpreter (about a minute a step): two steps of synth's tiny
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
     quantized by its producers, the attention's reduce in its split launch, a layer's Q4_K q/k and Q6_K v in one
-    launch) end to end."""
+    launch) end to end; and once with every ops feature not yet measured (ops.FEATURES)."""
     from moerun.synth import synthesize
 
     path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
@@ -248,11 +249,33 @@ def test_triton_step_in_the_interpreter(tmp_path: Path) -> None:
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     tokens = [5, 17]
     ref = Engine(path, fast=False, **kw).forward(tokens)
-    eng = Engine(path, fast=True, ops="triton", graph=False, **kw)
+    eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
+    assert eng.fast.dnorm == ("dnorm" in ops)  # the model takes the feature (every product on the integer kernels)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
         assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA only (the interpreter takes minutes a step)")
+@pytest.mark.parametrize("ops", [f"triton+{f}" for f in FEATURES] + ["triton+" + "+".join(FEATURES)])
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "f16"])
+def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
+    """Each ops feature not yet measured, and all together, in graph-replayed steps of synth's tiny OLMoE (whose
+    products all take the integer kernels for Q4_K_M and Q8_0, the byte kernels for F16) against the reference."""
+    from moerun.synth import synthesize
+
+    path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
+    synthesize("tiny-olmoe-1b-7b", ftype, path, progress=False)
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    tokens = [5, 17, 3, 250, 9, 41, 77, 1]
+    ref = Engine(path, fast=False, **kw).forward(tokens)
+    eng = Engine(path, fast=True, ops=ops, graph=True, **kw)
+    assert eng.fast.dnorm == ("dnorm" in ops and ftype != "f16")
+    for i, tok in enumerate(tokens):
+        eng.decode(tok)
+        err = rel_err(eng.fast.logits, ref[i])
+        assert err < 1e-4, f"{ops} {ftype} step {i}: relative logit error {err:.2e}"
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")

@@ -260,6 +260,57 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
         assert torch.equal(out, one), f"experts_ahead={ahead} differs from the one-expert loop"
 
 
+@pytest.mark.parametrize("qtype,ahead", [(Q4_K, 1), (Q6_K, 2), (Q8_0, 4)])
+def test_next_norm(qtype, ahead, device, rng) -> None:
+    """An RMSNorm split between the down launch that writes x and the matvecs that read it (`NextNorm`): down's output
+    unchanged, its x24 the twin's quantization of x * weight (to 1 unit: the GPU's division may round otherwise),
+    its sums of squares per 32 values, counters left zero; the matvecs (alone and the fused pair) within the bound of
+    the float64 product with the normalised x, and bit for bit what they give on x24 with the rsqrt applied after."""
+    gen, seed = rng
+    e, n, f = 3, 64, 512
+    w, _ = _iweights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([2, 0], dtype=torch.int32).to(device)
+    hq, _ = _x24(vec(gen, 2, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 2).astype(np.float32)).to(device)
+    r = vec(gen, n).to(device)
+    want = ik.moe_down_i(w, hq, ids, wts, r, torch.empty(n, device=device), qtype=qtype, experts_ahead=ahead)
+    nw = torch.from_numpy(gen.uniform(0.5, 1.5, n).astype(np.float32))
+    norm = ik.NextNorm(nw.to(device), ik.X24.empty((n,), device), torch.full((n // 32,), float("nan"), device=device),
+                       torch.zeros(n // 32, dtype=torch.int32, device=device), 1e-5)
+    x = ik.moe_down_i(w, hq, ids, wts, r, torch.full((n,), float("nan"), device=device), qtype=qtype,
+                      experts_ahead=ahead, norm=norm)
+    assert torch.equal(x, want)
+    xc = x.cpu()
+    ref = ik.quantize_x24_ref(xc * nw)
+    got = ik.X24(*(t.cpu() for t in norm.x24))
+    assert ((got.hi.int() * 256 + got.lo.int()) - (ref.hi.int() * 256 + ref.lo.int())).abs().max() <= 1
+    torch.testing.assert_close(got.s, ref.s, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.sum, ref.sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm.ss.cpu(), (xc.double() ** 2).reshape(-1, 32).sum(-1).float(), rtol=1e-5, atol=0)
+    assert not norm.counters.any()
+    # the readers: W2 @ rms_norm(x) * nw
+    w2, dw2 = _iweights(Q4_K, (37,), n * 4, gen, device)  # K = 4 n: the norm covers a 256-multiple input
+    big = torch.cat([xc] * 4)
+    nw4 = torch.cat([nw] * 4)
+    norm4 = ik.NextNorm(nw4.to(device), ik.quantize_x24((big * nw4).to(device)),
+                        (big.double() ** 2).reshape(-1, 32).sum(-1).float().to(device), norm.counters, 1e-5)
+    y = big.double() / torch.sqrt((big.double() ** 2).mean() + 1e-5) * nw4.double()
+    ref2 = dw2 @ y
+    bound2 = dw2.abs() @ y.abs()
+    out = torch.full((37,), float("nan"), device=device)
+    ik.qmatvec_i(w2, norm4.x24, out, qtype=Q4_K, norm=norm4)
+    check_bound(out, ref2, bound2, seed, "qmatvec_i norm")
+    plain = ik.qmatvec_i(w2, norm4.x24, torch.empty(37, device=device), qtype=Q4_K)
+    rinv = 1.0 / torch.sqrt(norm4.ss.sum() / (4 * n) + 1e-5)
+    torch.testing.assert_close(out, plain * rinv, rtol=1e-6, atol=0)
+    w3, _ = _iweights(Q6_K, (19,), n * 4, gen, device)
+    outs = torch.full((37,), float("nan"), device=device), torch.full((19,), float("nan"), device=device)
+    ik.qmatvec_i2(w2, Q4_K, outs[0], w3, Q6_K, outs[1], norm4.x24, norm=norm4)
+    assert torch.equal(outs[0], out)
+    torch.testing.assert_close(outs[1], ik.qmatvec_i(w3, norm4.x24, torch.empty(19, device=device), qtype=Q6_K) * rinv,
+                               rtol=1e-6, atol=0)
+
+
 def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""
