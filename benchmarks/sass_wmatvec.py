@@ -1,11 +1,14 @@
 """Static SASS of the Q4_K and Q6_K word kernels (kernels/triton/wmatvec.py) for sm_90, without a GPU.
 
-    python benchmarks/sass_wmatvec.py [--tiles 2x4x1x2,4x4x1x2] [--kinds mv,gate_up,down,mv6,down6]
+    python benchmarks/sass_wmatvec.py [--tiles 2x4x1x2,4x4x1x2] [--kinds mv,gate_up,down,mv6,down6] [--order]
 
 The wrappers are called at OLMoE sizes on CPU tensors with the kernel replaced by a recorder; the launch
 is specialised as Triton's launcher would and compiled for sm_90 with Triton's bundled ptxas (helpers
 from sass_qgemm.py). Reported per kernel and tile: registers, spill stack, the K loop's instructions per
 weight (static loop body x threads / weights a trip decodes) and its mix by class (NOTES.md section 7).
+--order adds each kernel's global loads (L), barriers (B) and dot / FMA instructions (D) in SASS order, run-length
+coded: a load after a D waits for the arithmetic before it, so "L8 D15 L1 D19" is a chain of round trips and
+"L208 B1 L1 D384" one (NOTES.md 7x).
 """
 
 from __future__ import annotations
@@ -112,11 +115,25 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
     return rec.launch
 
 
+def issue_order(sass: str) -> str:
+    """Loads (L), barriers (B) and dot / FMA instructions (D) in SASS order, run-length coded: "L8 D15 L1 D19"."""
+    runs: list[list] = []
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass):
+        c = "L" if op.startswith("LDG") else "B" if op.startswith("BAR") else \
+            "D" if op.startswith(("IDP", "FFMA", "HFMA2")) else None
+        if c and runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        elif c:
+            runs.append([c, 1])
+    return " ".join(f"{c}{n}" for c, n in runs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", default="1x4x1x2,2x4x1x2,4x4x1x2,4x2x1x2,4x8x2x2", help="RxNBxWARPSxSTAGES")
     ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join([*KERNELS, *IKERNELS])}")
     ap.add_argument("--words", type=int, default=ik.WORDS_PER_THREAD, help="imatvec's qs words per thread")
+    ap.add_argument("--order", action="store_true", help="also each kernel's loads / barriers / dots in SASS order")
     ap.add_argument("--ahead", type=int, default=1,
                     help="the integer down kernel's experts_ahead (> 1: no K loop; the whole kernel is counted)")
     args = ap.parse_args()
@@ -125,6 +142,7 @@ def main() -> None:
     cols = ["LDG", "LDS", "STS", "BAR", "I2F", "IALU", "MOV", "FP32", "FP16", "CTRL", "other"]
     print("| kernel | tile | regs | spill B | loop instr | /weight | " + " | ".join(cols) + " |")
     print("|---|---|---:|---:|---:|---:|" + "---:|" * len(cols))
+    orders: list[str] = []
     for kind in args.kinds.split(","):
         for spec in args.tiles.split(","):
             tile = wk.WTile(*(int(v) for v in spec.split("x")))
@@ -145,6 +163,10 @@ def main() -> None:
             regs = ",".join(re.findall(r"REG:(\d+)", res))
             stack = ",".join(re.findall(r"STACK:(\d+)", res))
             print(f"| {kind} | {spec} | {regs} | {stack} | {len(body)} | {len(body) * norm:.2f} | {mix} |", flush=True)
+            if args.order:
+                orders.append(f"{kind} {spec}: {issue_order(sass)}")
+    for line in orders:
+        print(line)
 
 
 if __name__ == "__main__":

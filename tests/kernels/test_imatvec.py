@@ -311,6 +311,21 @@ def test_next_norm(qtype, ahead, device, rng) -> None:
                                rtol=1e-6, atol=0)
 
 
+def test_next_norm_checked(device) -> None:
+    """A NextNorm that does not fit the product is refused before any launch, naming what is wrong."""
+    w = torch.zeros(2, 48, 144, dtype=torch.uint8, device=device)  # Q4_K [E=2, N=48, K=256]: N % 32 != 0
+    h = ik.X24.empty((1, 256), device)
+    ids, wts = torch.zeros(1, dtype=torch.int32, device=device), torch.ones(1, device=device)
+    r = torch.zeros(48, device=device)
+    bad = ik.NextNorm(torch.ones(48, device=device), ik.X24.empty((32,), device), torch.zeros(1, device=device),
+                      torch.zeros(1, dtype=torch.int32, device=device), 1e-6)
+    with pytest.raises(ValueError, match="norm needs N % 32 == 0"):
+        ik.moe_down_i(w, h, ids, wts, r, r, norm=bad)
+    x = ik.X24.empty((256,), device)
+    with pytest.raises(ValueError, match="norm.ss must hold K / 32 = 8 sums"):
+        ik.qmatvec_i(torch.zeros(4, 144, dtype=torch.uint8, device=device), x, torch.empty(4, device=device), norm=bad)
+
+
 def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""

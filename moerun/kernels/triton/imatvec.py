@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import X24, NextNorm, Route
 from moerun.kernels.triton.outputs import store_x24
-from moerun.kernels.triton.qmatvec import ACTIVATIONS
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, chosen_experts, zero_after_barrier
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
     WTile,
@@ -437,7 +437,6 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
     if AHEAD:
         pend = _irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr, xs_ptr,
                            xsum_ptr, SW, N_BLOCKS, R, NB, T)
-        tl.debug_barrier()
         accs, accms = _irows_math(QT, pend, _izero(xs_ptr), 1.0, accs, accms, N_BLOCKS // NB, R, EMU)
     else:
         accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr,
@@ -546,8 +545,9 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
 
 @triton.jit
 def _izero(xs_ptr):
-    """0 as int32, read from memory: the sign bit of x24's first scale (>= 0). Read after a barrier, ORed into loaded
-    words (`_ipin`)."""
+    """`qmatvec.zero_after_barrier` for the matvecs: a CTA barrier, then 0 read from memory (the sign bit of x24's
+    first scale, >= 0), for `_ipin`."""
+    tl.debug_barrier()
     return tl.load(xs_ptr).to(tl.int32, bitcast=True) >> 31
 
 
@@ -589,11 +589,7 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
     """`_idown_kernel`'s experts EU at a time: every expert id and weight read first, then per group of EU experts all
     their words and x tiles loaded (`_irows_load`), a CTA barrier so that none of those loads waits behind the group's
     arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order)."""
-    eids = ()
-    wts = ()
-    for i in tl.static_range(N_SEL):
-        eids = eids + (tl.load(ids_ptr + i).to(tl.int64),)
-        wts = wts + (tl.load(wts_ptr + i),)
+    eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
     for g in tl.static_range(0, N_SEL, EU):
         pends = ()
         for u in tl.static_range(EU):
@@ -603,8 +599,7 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
             pends = pends + (_irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
                                          hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so, SW, N_BLOCKS, R, NB,
                                          T),)
-        tl.debug_barrier()  # the loads above are issued before any arithmetic below waits on one of them
-        z = tl.load(ids_ptr).to(tl.int32) >> 31  # 0 (ids >= 0), read after the barrier: see `_ipin`
+        z = zero_after_barrier(ids_ptr)  # the loads above are issued before any arithmetic below waits on them
         for u in tl.static_range(EU):
             accs, accms = _irows_math(QT, pends[u], z, wts[g + u], accs, accms, N_BLOCKS // NB, R, EMU)
     return accs, accms

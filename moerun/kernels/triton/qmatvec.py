@@ -212,6 +212,27 @@ def _pin_float(w, z):
 
 
 @triton.jit
+def chosen_experts(ids_ptr, wts_ptr, N_SEL: tl.constexpr):
+    """The N_SEL chosen experts' ids (int64) and routing weights, all read up front: two tuples (the down kernels'
+    experts-ahead paths)."""
+    eids = ()
+    wts = ()
+    for i in tl.static_range(N_SEL):
+        eids = eids + (tl.load(ids_ptr + i).to(tl.int64),)
+        wts = wts + (tl.load(wts_ptr + i),)
+    return eids, wts
+
+
+@triton.jit
+def zero_after_barrier(ids_ptr):
+    """A CTA barrier, then 0 as int32 read from memory (ids[0] >> 31, ids >= 0): ORed into words loaded before the
+    barrier (`_pin_float`, imatvec `_ipin`) it keeps their arithmetic below it, where ptxas would otherwise move it
+    among the loads (NOTES.md 7x)."""
+    tl.debug_barrier()
+    return tl.load(ids_ptr).to(tl.int32) >> 31
+
+
+@triton.jit
 def _moe_down_kernel(
     w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
     N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
@@ -228,19 +249,14 @@ def _moe_down_kernel(
     r64 = rows.to(tl.int64) * stride_m
     acc = tl.zeros([BM], dtype=tl.float32)
     if EU > 1:
-        eids = ()
-        wts = ()
-        for i in tl.static_range(N_SEL):
-            eids = eids + (tl.load(ids_ptr + i).to(tl.int64),)
-            wts = wts + (tl.load(wts_ptr + i),)
+        eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
         for g in tl.static_range(0, N_SEL, EU):
             pend = ()
             for u in tl.static_range(EU):
                 for j in tl.static_range(N_BLOCKS // NB):
                     pend = pend + (_float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
                                                 h_ptr + (g + u) * stride_h, NB),)
-            tl.debug_barrier()  # the loads above are issued before any arithmetic below waits on one of them
-            z = tl.load(ids_ptr).to(tl.int32) >> 31  # 0 (ids >= 0), read after the barrier
+            z = zero_after_barrier(ids_ptr)  # the loads above are issued before any arithmetic below waits on them
             for u in tl.static_range(EU):
                 part = zeros(QTYPE, BM, NB)
                 for j in tl.static_range(N_BLOCKS // NB):
