@@ -111,9 +111,10 @@ def test_moe_down(qtype, device, rng) -> None:
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32, T.Q4_K], ids=lambda t: t.name)
 def test_moe_down_experts_ahead(qtype, device, rng) -> None:
     """Experts loaded ahead of their arithmetic (F32 / F16 / BF16; other types ignore it): bit for bit the one-expert
-    loop, with two K-steps (a small tile) and one, 2 / 3 (-> 2) / 4 of 4 experts ahead, poisoned outputs."""
+    loop, with three K-steps (a small tile) and one longer than K (the default tile: 1,024 of 768, masked), 2 / 3
+    (-> 2) / 4 of 4 experts ahead, poisoned outputs."""
     gen, seed = rng
-    e, n, f = 5, 37, 2 * SB
+    e, n, f = 5, 37, 3 * SB
     w, dw = _weights(qtype, (e, n), f, gen, device)
     ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
     h = _vec(gen, 4, f)

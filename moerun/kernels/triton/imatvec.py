@@ -554,7 +554,9 @@ def _izero(xs_ptr):
 @triton.jit
 def _irows_load(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, SW: tl.constexpr,
                 N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
-    """`_irows_dot`'s loads, every K-step unrolled and none used: ((x tiles, (row words per row)) per K-step)."""
+    """`_irows_dot`'s loads, every K-step unrolled and none used: ((x tiles, (row words per row)) per K-step).
+    NB divides N_BLOCKS (`wmatvec.wtile_for` fits it): the integer kernels mask rows, not blocks."""
+    tl.static_assert(N_BLOCKS % NB == 0)
     pend = ()
     for j in tl.static_range(N_BLOCKS // NB):
         xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, j * NB, NB, T)

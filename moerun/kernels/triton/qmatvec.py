@@ -249,18 +249,19 @@ def _moe_down_kernel(
     r64 = rows.to(tl.int64) * stride_m
     acc = tl.zeros([BM], dtype=tl.float32)
     if EU > 1:
+        STEPS: tl.constexpr = (N_BLOCKS + NB - 1) // NB  # the last may be partial (masked), as in row_dot
         eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
         for g in tl.static_range(0, N_SEL, EU):
             pend = ()
             for u in tl.static_range(EU):
-                for j in tl.static_range(N_BLOCKS // NB):
+                for j in tl.static_range(STEPS):
                     pend = pend + (_float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
                                                 h_ptr + (g + u) * stride_h, NB),)
             z = zero_after_barrier(ids_ptr)  # the loads above are issued before any arithmetic below waits on them
             for u in tl.static_range(EU):
                 part = zeros(QTYPE, BM, NB)
-                for j in tl.static_range(N_BLOCKS // NB):
-                    w, x = pend[u * (N_BLOCKS // NB) + j]
+                for j in tl.static_range(STEPS):
+                    w, x = pend[u * STEPS + j]
                     part += _pin_float(w, z).to(tl.float32) * x[None, :]
                 acc += wts[g + u] * total(part, QTYPE)
     else:
