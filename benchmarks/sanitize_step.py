@@ -24,7 +24,7 @@ from moerun.synth import cached_synth
 
 PRESETS = ("tiny-olmoe-1b-7b", "tiny-qwen3-30b-a3b", "tiny-llama-3.2-1b")
 TYPES = ("q4_k_m", "q8_0", "f16")
-OPS = ("triton", "triton-bytes", "triton+" + "+".join(FEATURES))  # and the features not yet measured, together
+OPS = ("triton", "triton-bytes") + (("triton+" + "+".join(FEATURES),) if FEATURES else ())  # + unmeasured ones
 
 
 def steps(path: str, ops: str, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:

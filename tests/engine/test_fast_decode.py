@@ -33,6 +33,7 @@ class PermutingTorchOps(TorchOps):
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
 OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])  # features: test_features_in_the_step
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
+ALL_FEATURES = ["triton+" + "+".join(FEATURES)] if FEATURES else []  # every unmeasured ops feature at once
 
 
 @pytest.fixture(scope="module", params=[(a, q) for a in TINY for q in ("f32", "q4_k")], ids=lambda p: "-".join(p))
@@ -235,7 +236,7 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors under Triton's interpreter only (on CUDA the tests above run the Triton step)")
-@pytest.mark.parametrize("ops", ["triton", "triton+" + "+".join(FEATURES)])
+@pytest.mark.parametrize("ops", ["triton", *ALL_FEATURES])
 def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
     """The Triton ops' step on the CPU under Triton's interpreter (about a minute a step): two steps of synth's tiny
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
@@ -258,7 +259,7 @@ def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA only (the interpreter takes minutes a step)")
-@pytest.mark.parametrize("ops", [f"triton+{f}" for f in FEATURES] + ["triton+" + "+".join(FEATURES)])
+@pytest.mark.parametrize("ops", [f"triton+{f}" for f in FEATURES] + ALL_FEATURES)
 @pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "f16"])
 def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     """Each ops feature not yet measured, and all together, in graph-replayed steps of synth's tiny OLMoE (whose
