@@ -168,8 +168,8 @@ class FastDecoder:
         if not getattr(self.ops, "dnorm", False) or self.spec.post_norms or n % 32:
             return False
         mats = [m for L in self.layers for m, _, _ in L["qkv_runs"]] + [self.out_mat]
-        downs = [L["ffn_down_exps"] for L in self.layers if L["int_gate_up"]]
-        return (len(downs) == len(self.layers) and all(self.ops.ints_take(d.qtype, "down", d.raw, f) for d in downs)
+        return (all(L["int_gate_up"] and self.ops.ints_take(L["ffn_down_exps"].qtype, "down", L["ffn_down_exps"].raw, f)
+                    for L in self.layers)
                 and all(self.ops.ints_take(m.qtype, "mv", m.raw, n) for m in mats))
 
     def _repack(self, kind: str, m: _Mat, ints: bool = True) -> _Mat:

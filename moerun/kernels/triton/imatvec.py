@@ -335,14 +335,13 @@ def _istep(QT: tl.constexpr, wp, hp, bp, off, ok, kb, xt, scale, acc, accm, NB: 
 def _iwords(QT: tl.constexpr, wp, hp, bp, off, ok, kb, NB: tl.constexpr, T: tl.constexpr):
     """One row's words for blocks kb.. in layout QT, loaded and not yet used (`_iwords_acc` takes them): Q4_K (qs,
     header words), Q6I (words, d bits, sc), Q8I (words, d bits)."""
+    WORDS: tl.constexpr = 36 if QT == 12 else 72  # per 256 weights
+    bo = off + (kb + tl.arange(0, NB)) * WORDS  # [NB] each block's first word
     if QT == 12:
-        bo = off + (kb + tl.arange(0, NB)) * 36
         raw = (_q4k_qs(wp, bo, ok, T), _q4k_hwords(wp, bo, ok))
     elif QT == 2014:
-        bo = off + (kb + tl.arange(0, NB)) * 72
         raw = (_ibyte_words(wp, bo, ok), _i6_dbits(hp, bo, ok), _i6_sc(bp, bo, ok))
     else:
-        bo = off + (kb + tl.arange(0, NB)) * 72
         raw = (_ibyte_words(wp, bo, ok), _i8_scales(wp, bo, ok))
     return raw
 
@@ -437,7 +436,7 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
     if AHEAD:
         pend = _irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr, xs_ptr,
                            xsum_ptr, SW, N_BLOCKS, R, NB, T)
-        accs, accms = _irows_math(QT, pend, _izero(xs_ptr), 1.0, accs, accms, N_BLOCKS // NB, R, EMU)
+        accs, accms = _irows_math(QT, pend, zero_after_barrier(xs_ptr), 1.0, accs, accms, N_BLOCKS // NB, R, EMU)
     else:
         accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr,
                                  xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
@@ -541,14 +540,6 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
     if H24:
         _quantize_group(out_ptr + sel * stride_out + (row0 // 32) * 32, sel * (F // 32) + row0 // 32, hh_ptr, hl_ptr,
                         hs_ptr, hsum_ptr, cnt_ptr, 32 // R, out_ptr, out_ptr, False)
-
-
-@triton.jit
-def _izero(xs_ptr):
-    """`qmatvec.zero_after_barrier` for the matvecs: a CTA barrier, then 0 read from memory (the sign bit of x24's
-    first scale, >= 0), for `_ipin`."""
-    tl.debug_barrier()
-    return tl.load(xs_ptr).to(tl.int32, bitcast=True) >> 31
 
 
 @triton.jit

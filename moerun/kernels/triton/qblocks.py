@@ -211,13 +211,19 @@ def _q5_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _float(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
-    """F32 / F16 / BF16: `wrow` already points at typed elements (a block is one weight)."""
+def float_words(wrow, rmask, kb, n_blocks, x_ptr, NB: tl.constexpr):
+    """`_float`'s loads: F32 / F16 / BF16 weights [BM, NB] as stored, x [NB] f32 (masked past n_blocks)."""
     k = kb + tl.arange(0, NB)
     km = k < n_blocks
-    w = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + k, mask=km, other=0.0)
-    return w * x[None, :]  # [BM, NB]
+    w = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+    return w, tl.load(x_ptr + k, mask=km, other=0.0)
+
+
+@triton.jit
+def _float(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
+    """F32 / F16 / BF16: `wrow` already points at typed elements (a block is one weight)."""
+    w, x = float_words(wrow, rmask, kb, n_blocks, x_ptr, NB)
+    return w.to(tl.float32) * x[None, :]  # [BM, NB]
 
 
 @triton.jit

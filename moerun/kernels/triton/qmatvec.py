@@ -26,7 +26,7 @@ import triton.language as tl
 
 from moerun.kernels.gpu import sm_count
 from moerun.kernels.triton.outputs import perm_slot
-from moerun.kernels.triton.qblocks import row_dot, step, total, zeros
+from moerun.kernels.triton.qblocks import float_words, row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
 GEOMETRY: dict[int, tuple[int, int, torch.dtype | None]] = {
@@ -192,15 +192,6 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _float_words(wrow, rmask, kb, n_blocks, x_ptr, NB: tl.constexpr):
-    """`qblocks._float`'s loads: F32 / F16 / BF16 weights [BM, NB] as loaded, x [NB] f32."""
-    k = kb + tl.arange(0, NB)
-    km = k < n_blocks
-    w = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-    return w, tl.load(x_ptr + k, mask=km, other=0.0)
-
-
-@triton.jit
 def _pin_float(w, z):
     """w (F32 / F16 / BF16) ORed bitwise with z, an int32 zero read after a barrier: its arithmetic cannot be
     scheduled above that read (imatvec `_ipin`)."""
@@ -224,12 +215,15 @@ def chosen_experts(ids_ptr, wts_ptr, N_SEL: tl.constexpr):
 
 
 @triton.jit
-def zero_after_barrier(ids_ptr):
-    """A CTA barrier, then 0 as int32 read from memory (ids[0] >> 31, ids >= 0): ORed into words loaded before the
-    barrier (`_pin_float`, imatvec `_ipin`) it keeps their arithmetic below it, where ptxas would otherwise move it
-    among the loads (NOTES.md 7x)."""
+def zero_after_barrier(p):
+    """A CTA barrier, then 0 as int32 read from memory: the sign bit of a value >= 0 at p (the expert ids, or x24's
+    first scale, its float bits). ORed into words loaded before the barrier (`_pin_float`, imatvec `_ipin`) it keeps
+    their arithmetic below it, where ptxas would otherwise move it among the loads (NOTES.md 7x)."""
     tl.debug_barrier()
-    return tl.load(ids_ptr).to(tl.int32) >> 31
+    v = tl.load(p)
+    if v.dtype.is_floating():
+        v = v.to(tl.int32, bitcast=True)
+    return v.to(tl.int32) >> 31
 
 
 @triton.jit
@@ -255,7 +249,7 @@ def _moe_down_kernel(
             pend = ()
             for u in tl.static_range(EU):
                 for j in tl.static_range(STEPS):
-                    pend = pend + (_float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
+                    pend = pend + (float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
                                                 h_ptr + (g + u) * stride_h, NB),)
             z = zero_after_barrier(ids_ptr)  # the loads above are issued before any arithmetic below waits on them
             for u in tl.static_range(EU):
