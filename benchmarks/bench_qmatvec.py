@@ -100,7 +100,7 @@ class Case:
             self.res = torch.randn(m, device=dev)
             self.wts = torch.rand(N_SEL, device=dev)
 
-    def fns(self, tile: Q.Tile | None, ahead: int = 1) -> list[Callable[[], object]]:
+    def fns(self, tile: Q.Tile | None, ahead: int = Q.EXPERTS_AHEAD) -> list[Callable[[], object]]:
         """The byte kernels (qmatvec.py); ahead: down's experts_ahead (F32 / F16 / BF16)."""
         qt = self.qtype
         if self.kind == "mv":
@@ -134,10 +134,9 @@ class Case:
                     for w, w2, i in launches]
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in launches]
 
-    def ifns(self, tile: W.WTile | None, words: int, ahead: int = 1) -> list[Callable[[], object]]:
+    def ifns(self, tile: W.WTile | None, words: int, ahead: int = Q.EXPERTS_AHEAD) -> list[Callable[[], object]]:
         """The integer-dot kernels (imatvec.py) on the same launches; x quantized once and the weights copied into
-        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region. ahead: down's experts_ahead; for
-        a matvec, > 1: every load ahead (`qmatvec_i` ahead=True)."""
+        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region. ahead: down's experts_ahead."""
         xq = I.quantize_x24(self.x)
         qt, copy = self.qtype, I.COPIES.get(self.qtype)
         done: dict[int, torch.Tensor] = self.__dict__.setdefault("_icopies", {})  # each weight tensor copied once
@@ -148,8 +147,8 @@ class Case:
         ws = [c(w) for w in getattr(self, "ws", [])]
         launches = [(c(w), c(w2), i) for w, w2, i in getattr(self, "launches", [])]
         if self.kind == "mv":
-            return [lambda w=w: I.qmatvec_i(w, xq, self.out, self.res, tile=tile, words=words, qtype=qt,
-                                            ahead=ahead > 1) for w in ws]
+            return [lambda w=w: I.qmatvec_i(w, xq, self.out, self.res, tile=tile, words=words, qtype=qt)
+                    for w in ws]
         if self.kind == "gate_up":
             return [lambda w=w, w2=w2, i=i: I.moe_gate_up_i(w, w2, xq, i, self.out, "silu", tile=tile, words=words,
                                                             qtype=qt)
@@ -158,7 +157,7 @@ class Case:
                                               qtype=qt, experts_ahead=ahead)
                 for w, _, i in launches]
 
-    def icheck(self, tile: W.WTile | None, words: int, ahead: int = 1) -> float:
+    def icheck(self, tile: W.WTile | None, words: int, ahead: int = Q.EXPERTS_AHEAD) -> float:
         """Largest |integer - word kernel| / max |word kernel| over one launch (same weights and x)."""
         ifn, wfn = self.ifns(tile, words, ahead)[0], self.wfns(None)[0]
         wfn()
@@ -218,10 +217,10 @@ def main() -> None:
     ap.add_argument("--itiles", default="",
                     help="integer-dot tiles to time (Q4_K, Q6_K, Q8_0): RxNBxWARPSxSTAGES[xWORDS] (Q4_K's words per "
                          "thread: 4 or 8) or default ('' = none)")
-    ap.add_argument("--ahead", default="1",
+    ap.add_argument("--ahead", default=str(Q.EXPERTS_AHEAD),
                     help="each --itiles tile of down (and the F32 / F16 / BF16 byte down) at each of these "
-                         "experts_ahead (comma-separated; > 1: that many experts' loads before their arithmetic); "
-                         "of mv / out: any value > 1 times it with every load ahead")
+                         "experts_ahead (comma-separated: that many experts' loads before their arithmetic; "
+                         f"default: the kernels' {Q.EXPERTS_AHEAD})")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
@@ -246,8 +245,8 @@ def main() -> None:
             t = graph_time(case.fns(None))
             row = {"type": name, "case": label, "kind": case.kind, "M": m, "K": k, "bytes": case.bytes,
                    "tile": list(default), "us": t * 1e6, "GBps": case.bytes / t / 1e9, "pct_copy": case.bytes / t / bw}
-            aheads = [int(a) for a in args.ahead.split(",")] if case.kind != "gate_up" else [1]
-            for ahead in [a for a in aheads if a > 1] if qt in Q.FLOATS and case.kind == "down" else []:
+            aheads = [int(a) for a in args.ahead.split(",")] if case.kind == "down" else [Q.EXPERTS_AHEAD]
+            for ahead in [a for a in aheads if a != Q.EXPERTS_AHEAD] if qt in Q.FLOATS else []:
                 ta = graph_time(case.fns(None, ahead))
                 row.setdefault("ahead", {})[ahead] = ta * 1e6
                 print(f"{name:5} {label:28} {ta * 1e6:8.2f} us {case.bytes / ta / 1e9:6.0f} GB/s experts_ahead {ahead}",
@@ -289,7 +288,7 @@ def main() -> None:
                 it = W.WTile(*parts[:4]) if parts else None
                 err = case.icheck(it, words, ahead)
                 ti = graph_time(case.ifns(it, words, ahead))
-                key = spec if ahead == 1 else f"{spec}@ahead{ahead}"
+                key = spec if ahead == Q.EXPERTS_AHEAD else f"{spec}@ahead{ahead}"
                 row.setdefault("int", {})[key] = [ti * 1e6, err]
                 print(f"{name:5} {label:28} {ti * 1e6:8.2f} us {case.bytes / ti / 1e9:6.0f} GB/s int {key} "
                       f"(rel. diff {err:.1e})", flush=True)

@@ -36,7 +36,7 @@ IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "imv8": "_imv_kernel", 
             "idown6": "_idown_kernel", "idown8": "_idown_kernel"}  # imatvec.py (Q4_K; *6 / *8: Q6_K / Q8_0 copies)
 ITYPES = {"6": 14, "8": 8}
 WORDS = ik.WORDS_PER_THREAD
-AHEAD = 1  # the integer down kernel's experts_ahead
+AHEAD = 2  # the integer down kernel's experts_ahead (its default, qmatvec.EXPERTS_AHEAD)
 
 
 def _blocks(qtype: int, size: int, *lead_k: int) -> torch.Tensor:
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join([*KERNELS, *IKERNELS])}")
     ap.add_argument("--words", type=int, default=ik.WORDS_PER_THREAD, help="imatvec's qs words per thread")
     ap.add_argument("--order", action="store_true", help="also each kernel's loads / barriers / dots in SASS order")
-    ap.add_argument("--ahead", type=int, default=1,
+    ap.add_argument("--ahead", type=int, default=2,
                     help="the integer down kernel's experts_ahead (> 1: no K loop; the whole kernel is counted)")
     args = ap.parse_args()
     global WORDS, AHEAD

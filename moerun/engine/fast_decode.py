@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from moerun.engine.kv_cache import KVCache
-from moerun.kernels.torch_ops import X24, NextNorm, Route
+from moerun.kernels.torch_ops import X24, Route
 from moerun.models.config import ModelConfig
 from moerun.models.spec import ArchSpec
 from moerun.models.weights import ModelWeights
@@ -102,13 +102,6 @@ class FastDecoder:
         self.xp = torch.empty(N, **f32)       # xn in the word kernels' order (ops.perm), where one reads it
         self.x24 = X24.empty((N,), dev)  # xn quantized, where an integer-dot kernel reads it (ops.ints)
         self._weights(weights)
-        self.dnorm = self._defer_norms()
-        if self.dnorm:  # each layer's down does the next RMSNorm's share (`NextNorm`); its readers apply the rsqrt
-            ss = torch.zeros(N // 32, **f32)  # sums of squares per 32 values of x
-            cnt = torch.zeros(N // 32, device=dev, dtype=torch.int32)  # the down launch's arrivals, left zero
-            nxt = [L["attn_norm"] for L in self.layers[1:]] + [self.out_norm]
-            for L, w in zip(self.layers, nxt, strict=True):
-                L["next_norm"] = NextNorm(w, self.x24, ss, cnt, cfg.rms_eps)
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -159,19 +152,6 @@ class FastDecoder:
             self.layers.append(d)
         self.final_norm_outs = self._norm_outs(self.out_mat)  # the final norm's, for the output matrix
 
-    def _defer_norms(self) -> bool:
-        """Whether the RMSNorms in front of attention (after the first layer) and the final one launch nothing
-        (ops.dnorm): each down product before one writes its input quantized and its sums of squares, and the integer
-        matvecs after it apply the rsqrt. Needs every layer's q/k/v, its down and the output on the integer kernels
-        (h quantized by gate/up) and no post-norms."""
-        n, f = self.cfg.n_embd, self.h.shape[-1]
-        if not getattr(self.ops, "dnorm", False) or self.spec.post_norms or n % 32:
-            return False
-        mats = [m for L in self.layers for m, _, _ in L["qkv_runs"]] + [self.out_mat]
-        return (all(L["int_gate_up"] and self.ops.ints_take(L["ffn_down_exps"].qtype, "down", L["ffn_down_exps"].raw, f)
-                    for L in self.layers)
-                and all(self.ops.ints_take(m.qtype, "mv", m.raw, n) for m in mats))
-
     def _repack(self, kind: str, m: _Mat, ints: bool = True) -> _Mat:
         """m in the layout the ops' product `kind` reads (`ops.repack`: a load-time copy, or m itself); ints=False:
         the step will not give this product a quantized x, so not the integer kernels' layout."""
@@ -210,13 +190,9 @@ class FastDecoder:
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
         xp, x24 = L["attn_norm_outs"]
-        norm: dict[str, NextNorm] = {}  # with dnorm, the last down did this norm's share: its readers finish it
-        if self.dnorm and i > 0:
-            norm = {"norm": self.layers[i - 1]["next_norm"]}
-        else:
-            ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
         # q, k and v: one product per run of matrices of one type (ops may launch two runs together)
-        ops.qmatvecs([(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], self.xn, x_perm=xp, x24=x24, **norm)
+        ops.qmatvecs([(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], self.xn, x_perm=xp, x24=x24)
         wo = L["attn_output"]
         a24 = self.attn24 if ops.ints(wo.qtype, self.attn_p.shape[0], "mv") and cfg.head_dim_v % 32 == 0 else None
         ap = self.attn_p if a24 is None and ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
@@ -253,9 +229,7 @@ class FastDecoder:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm, h_x24=h24)
             self._add_block_output(L["post_ffw_norm"])
         else:
-            nxt = {"next_norm": L["next_norm"]} if self.dnorm else {}
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24,
-                         **nxt)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24)
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""
@@ -264,10 +238,8 @@ class FastDecoder:
         for i, L in enumerate(self.layers):
             self._layer(i, L)
         xp, x24 = self.final_norm_outs
-        norm: dict[str, NextNorm] = {"norm": self.layers[-1]["next_norm"]} if self.dnorm else {}
-        if not norm:
-            self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
-        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp, x24=x24, **norm)
+        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp, x24=x24)
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)

@@ -21,18 +21,9 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "down2": "the down kernels (integer; F32 / F16 / BF16) load 2 experts' rows before their arithmetic "
-             "(experts_ahead=2)",
-    "down4": "as down2 with 4 experts (the integer Q6_K / Q8_0 kernels at 2 rows per program)",
-    "mvahead": "the integer matvecs (q/k/v, o, output) issue all their loads before their arithmetic "
-               "(imatvec.qmatvec_i ahead=True)",
-    "dnorm": "no RMSNorm launch before attention or the output: the down launch before it and the integer "
-             "matvecs after it do its work (imatvec NextNorm)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"down2": {"down_ahead": 2}, "down4": {"down_ahead": 4},
-                                           "mvahead": {"mv_ahead": True}, "dnorm": {"dnorm": True}}
-INT_FEATURES: tuple[str, ...] = ("mvahead", "dnorm")  # features of the integer-dot kernels: only with base "triton"
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 
 def features_text() -> str:

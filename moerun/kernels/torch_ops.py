@@ -54,21 +54,6 @@ class X24(NamedTuple):
                    device=device), torch.empty(g, device=device), torch.empty(g, device=device))
 
 
-class NextNorm(NamedTuple):
-    """An RMSNorm y = x rsqrt(mean(x^2) + eps) weight done by the product that writes x and the integer products that
-    read y, with no launch of its own: the producer (imatvec `moe_down_i(norm=...)`) writes x * weight quantized
-    (x24) and, per 32 values, the sum of x^2 (ss); each reader (`qmatvec_i(norm=...)`) sums ss and scales its outputs
-    by the rsqrt, which is exact up to rounding because the products are linear in x24's scales and sums.
-    weight: [N] f32; x24: X24 of [N]; ss: [N / 32] f32; counters: int32 zeros [N / 32] (the producer's arrivals, left
-    zero)."""
-
-    weight: torch.Tensor
-    x24: X24
-    ss: torch.Tensor
-    counters: torch.Tensor
-    eps: float
-
-
 class Route(NamedTuple):
     """Routing done by the gate/up op itself (`moe_gate_up(route=...)`): the router's logits [E] f32 in, the
     chosen experts' weights [K] f32 out (their ids go to the op's ids), as `route_topk` (softmax over all E, the

@@ -13,7 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moerun.kernels.gpu import sm_count
-from moerun.kernels.torch_ops import NextNorm, Route, TorchOps
+from moerun.kernels.torch_ops import Route, TorchOps
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import imatvec as ik
@@ -36,23 +36,18 @@ class TritonOps:
     attn_fused: the attention's reduce done by the last program of each head in the split launch.
     qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch.
     down_ahead: the down kernels (integer, and the byte kernel's F32 / F16 / BF16) issue this many experts' loads
-    before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
-    mv_ahead: the integer matvecs issue all their loads before their arithmetic (`imatvec.qmatvec_i` ahead).
-    dnorm: the decode step hands the RMSNorm in front of attention (and the final one) to the integer down product
-    before it and the integer matvecs after it (`NextNorm`: `moe_down(next_norm=...)`, `qmatvec(norm=...)`)."""
+    before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
-                 qkv_fused: bool = True, down_ahead: int = 1, mv_ahead: bool = False, dnorm: bool = False) -> None:
+                 qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
-        self.mv_ahead = mv_ahead
-        self.dnorm = dnorm
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -118,13 +113,9 @@ class TritonOps:
 
     def qmatvec(self, w: torch.Tensor, qtype: int, x: torch.Tensor, out: torch.Tensor,
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
-                x24: ik.X24 | None = None, norm: NextNorm | None = None) -> torch.Tensor:
-        """As TorchOps.qmatvec; norm: x24 holds x * weight of that RMSNorm and the product applies its rsqrt (the
-        integer kernels only; `NextNorm`)."""
+                x24: ik.X24 | None = None) -> torch.Tensor:
         if x24 is not None and self.ints_take(qtype, "mv", w, x.shape[-1]):
-            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, ahead=self.mv_ahead, norm=norm)
-        if norm is not None:
-            raise ValueError(f"qmatvec(norm=...) needs the integer kernels (type {qtype}, K = {x.shape[-1]})")
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -132,17 +123,17 @@ class TritonOps:
         return qk.qmatvec(w, qtype, x, out, residual)
 
     def qmatvecs(self, prods: list[tuple[torch.Tensor, int, torch.Tensor]], x: torch.Tensor,
-                 x_perm: torch.Tensor | None = None, x24: ik.X24 | None = None, norm: NextNorm | None = None) -> None:
+                 x_perm: torch.Tensor | None = None, x24: ik.X24 | None = None) -> None:
         """`qmatvec` of each (w, qtype, out); with qkv_fused two integer-kernel products of different layouts (a
         Q4_K q/k run and a Q6_K v) in one launch (`imatvec.qmatvec_i2`)."""
         k = x.shape[-1]
         if (self.qkv_fused and x24 is not None and len(prods) == 2 and prods[0][1] != prods[1][1]
                 and all(self.ints_take(qt, "mv", w, k) for w, qt, _ in prods)):
             (w, qt, out), (w2, qt2, out2) = prods
-            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24, ahead=self.mv_ahead, norm=norm)
+            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24)
             return
         for w, qt, out in prods:
-            self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24, norm=norm)
+            self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
@@ -174,14 +165,10 @@ class TritonOps:
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False, h_x24: ik.X24 | None = None, next_norm: NextNorm | None = None) -> torch.Tensor:
-        """As TorchOps.moe_down; next_norm: also the next RMSNorm's share of the work on out (the integer kernel
-        only; `NextNorm`)."""
+                 h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
             return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype,
-                                 experts_ahead=self.down_ahead, norm=next_norm)
-        if next_norm is not None:
-            raise ValueError(f"moe_down(next_norm=...) needs the integer down kernel (type {qtype}, h quantized)")
+                                 experts_ahead=self.down_ahead)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")

@@ -31,7 +31,7 @@ class PermutingTorchOps(TorchOps):
         return k % 256 == 0
 
 N_STEPS = 64 if TEST_DEVICE == "cuda" else 24  # issue 4: 64 teacher-forced steps (the CPU: fewer, for time)
-OPS = ["torch"] + (["triton", "triton-bytes"] if TEST_DEVICE == "cuda" else [])  # features: test_features_in_the_step
+OPS = ["torch"] + (["triton", "triton-bytes", *(f"triton+{f}" for f in FEATURES)] if TEST_DEVICE == "cuda" else [])
 GRAPH = [False] + ([True] if TEST_DEVICE == "cuda" else [])
 ALL_FEATURES = ["triton+" + "+".join(FEATURES)] if FEATURES else []  # every unmeasured ops feature at once
 
@@ -181,7 +181,7 @@ def test_make_ops_names() -> None:
     assert parse_ops("triton") == ("triton", ()) and parse_ops("triton-bytes") == ("triton-bytes", ())
     with pytest.raises(MoerunError, match=r"unknown decode ops feature 'fast' in 'triton\+fast'; features: "):
         make_ops("triton+fast")
-    for gone in ("pair", "nfused"):  # measured slower and deleted (benchmarks/results/20261205-12d9317-ab.txt)
+    for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2"):  # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
     with pytest.raises(MoerunError, match="the base 'cuda' is not one of triton, .*; features after '\\+': "):
@@ -189,11 +189,7 @@ def test_make_ops_names() -> None:
     # the measured-faster variants are the default (NOTES.md 7v)
     t = make_ops("triton")
     assert t.qkv_fused and t.attn_fused and t.int_kinds == ik.INT_KINDS and 8 in ik.INT_KINDS
-    assert t.down_ahead == 1 and make_ops("triton+down2").down_ahead == 2 and make_ops("triton+down4").down_ahead == 4
-    assert not t.mv_ahead and make_ops("triton+mvahead+down2").mv_ahead
-    assert make_ops("triton-bytes+down2").down_ahead == 2  # the byte kernel's F32 / F16 / BF16 down takes it too
-    with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
-        make_ops("triton-words+mvahead")
+    assert t.down_ahead == make_ops("triton-bytes").down_ahead == 2  # NOTES.md 7y (down4, mvahead, dnorm: deleted)
 
 
 def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,7 +238,7 @@ def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
     quantized by its producers, the attention's reduce in its split launch, a layer's Q4_K q/k and Q6_K v in one
-    launch) end to end; and once with every ops feature not yet measured (ops.FEATURES)."""
+    launch) end to end."""
     from moerun.synth import synthesize
 
     path = tmp_path / "tiny-olmoe-q4_k_m.gguf"
@@ -250,8 +246,7 @@ def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     tokens = [5, 17]
     ref = Engine(path, fast=False, **kw).forward(tokens)
-    eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
-    assert eng.fast.dnorm == ("dnorm" in ops)  # the model takes the feature (every product on the integer kernels)
+    eng = Engine(path, fast=True, ops="triton", graph=False, **kw)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
@@ -259,11 +254,12 @@ def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA only (the interpreter takes minutes a step)")
-@pytest.mark.parametrize("ops", [f"triton+{f}" for f in FEATURES] + ALL_FEATURES)
+@pytest.mark.parametrize("ops", ["triton"] + [f"triton+{f}" for f in FEATURES] + ALL_FEATURES)
 @pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "f16"])
 def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
-    """Each ops feature not yet measured, and all together, in graph-replayed steps of synth's tiny OLMoE (whose
-    products all take the integer kernels for Q4_K_M and Q8_0, the byte kernels for F16) against the reference."""
+    """The default ops, each ops feature not yet measured and all together, in graph-replayed steps of synth's tiny
+    OLMoE (whose products all take the integer kernels for Q4_K_M and Q8_0, the byte kernels for F16: every down
+    kernel with its experts ahead) against the reference."""
     from moerun.synth import synthesize
 
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
@@ -272,7 +268,6 @@ def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     tokens = [5, 17, 3, 250, 9, 41, 77, 1]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=True, **kw)
-    assert eng.fast.dnorm == ("dnorm" in ops and ftype != "f16")
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])

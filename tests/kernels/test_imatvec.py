@@ -240,8 +240,11 @@ def test_moe_down_i(tile, words, device, rng) -> None:
 
 @pytest.mark.parametrize("qtype,f", [(Q4_K, 768), (Q4_K, 512), (Q6_K, 512), (Q8_0, 768)])
 def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
-    """Experts loaded ahead of their arithmetic (2, 3 -> 2, 4 of 4; every K-step unrolled): bit for bit the one-expert
-    loop (the same sums in the same order), within the bound of the float64 product, poisoned output rows."""
+    """Experts loaded ahead of their arithmetic (the default, 2; 3 -> 2; 4 of 4; every K-step unrolled): within the
+    bound of the float64 product, poisoned output rows, the same bits on a second run, and the same sums in the same
+    order as the one-expert loop: bit for bit, except Q4_K on a GPU, where ptxas contracts its scale and min products
+    into FMAs differently in the two code shapes (measured on the H100: last-bit differences), so there within 1e-6
+    of the bound."""
     gen, seed = rng
     e, n = 5, 37
     w, dw = _iweights(qtype, (e, n), f, gen, device)
@@ -252,78 +255,19 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
     bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
     args = (w, hq, ids.to(device), wts.to(device), r.to(device))
-    one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype)
-    for ahead in (2, 3, 4):
-        out = torch.full((n,), float("nan"), device=device)
-        ik.moe_down_i(*args, out, qtype=qtype, experts_ahead=ahead)
+    one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, experts_ahead=1)
+    check_bound(one, ref, bound, seed, f"{T(qtype).name} idown one expert at a time")
+    same_bits = qtype != Q4_K or torch.device(device).type == "cpu"
+    for ahead in (None, 2, 3, 4):  # None: the default, EXPERTS_AHEAD
+        kw = {} if ahead is None else {"experts_ahead": ahead}
+        out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, **kw)
         check_bound(out, ref, bound, seed, f"{T(qtype).name} idown experts_ahead={ahead}")
-        assert torch.equal(out, one), f"experts_ahead={ahead} differs from the one-expert loop"
-
-
-@pytest.mark.parametrize("qtype,ahead", [(Q4_K, 1), (Q6_K, 2), (Q8_0, 4)])
-def test_next_norm(qtype, ahead, device, rng) -> None:
-    """An RMSNorm split between the down launch that writes x and the matvecs that read it (`NextNorm`): down's output
-    unchanged, its x24 the twin's quantization of x * weight (to 1 unit: the GPU's division may round otherwise),
-    its sums of squares per 32 values, counters left zero; the matvecs (alone and the fused pair) within the bound of
-    the float64 product with the normalised x, and bit for bit what they give on x24 with the rsqrt applied after."""
-    gen, seed = rng
-    e, n, f = 3, 64, 512
-    w, _ = _iweights(qtype, (e, n), f, gen, device)
-    ids = torch.tensor([2, 0], dtype=torch.int32).to(device)
-    hq, _ = _x24(vec(gen, 2, f), device)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 2).astype(np.float32)).to(device)
-    r = vec(gen, n).to(device)
-    want = ik.moe_down_i(w, hq, ids, wts, r, torch.empty(n, device=device), qtype=qtype, experts_ahead=ahead)
-    nw = torch.from_numpy(gen.uniform(0.5, 1.5, n).astype(np.float32))
-    norm = ik.NextNorm(nw.to(device), ik.X24.empty((n,), device), torch.full((n // 32,), float("nan"), device=device),
-                       torch.zeros(n // 32, dtype=torch.int32, device=device), 1e-5)
-    x = ik.moe_down_i(w, hq, ids, wts, r, torch.full((n,), float("nan"), device=device), qtype=qtype,
-                      experts_ahead=ahead, norm=norm)
-    assert torch.equal(x, want)
-    xc = x.cpu()
-    ref = ik.quantize_x24_ref(xc * nw)
-    got = ik.X24(*(t.cpu() for t in norm.x24))
-    assert ((got.hi.int() * 256 + got.lo.int()) - (ref.hi.int() * 256 + ref.lo.int())).abs().max() <= 1
-    torch.testing.assert_close(got.s, ref.s, rtol=1e-6, atol=0)
-    torch.testing.assert_close(got.sum, ref.sum, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(norm.ss.cpu(), (xc.double() ** 2).reshape(-1, 32).sum(-1).float(), rtol=1e-5, atol=0)
-    assert not norm.counters.any()
-    # the readers: W2 @ rms_norm(x) * nw
-    w2, dw2 = _iweights(Q4_K, (37,), n * 4, gen, device)  # K = 4 n: the norm covers a 256-multiple input
-    big = torch.cat([xc] * 4)
-    nw4 = torch.cat([nw] * 4)
-    norm4 = ik.NextNorm(nw4.to(device), ik.quantize_x24((big * nw4).to(device)),
-                        (big.double() ** 2).reshape(-1, 32).sum(-1).float().to(device), norm.counters, 1e-5)
-    y = big.double() / torch.sqrt((big.double() ** 2).mean() + 1e-5) * nw4.double()
-    ref2 = dw2 @ y
-    bound2 = dw2.abs() @ y.abs()
-    out = torch.full((37,), float("nan"), device=device)
-    ik.qmatvec_i(w2, norm4.x24, out, qtype=Q4_K, norm=norm4)
-    check_bound(out, ref2, bound2, seed, "qmatvec_i norm")
-    plain = ik.qmatvec_i(w2, norm4.x24, torch.empty(37, device=device), qtype=Q4_K)
-    rinv = 1.0 / torch.sqrt(norm4.ss.sum() / (4 * n) + 1e-5)
-    torch.testing.assert_close(out, plain * rinv, rtol=1e-6, atol=0)
-    w3, _ = _iweights(Q6_K, (19,), n * 4, gen, device)
-    outs = torch.full((37,), float("nan"), device=device), torch.full((19,), float("nan"), device=device)
-    ik.qmatvec_i2(w2, Q4_K, outs[0], w3, Q6_K, outs[1], norm4.x24, norm=norm4)
-    assert torch.equal(outs[0], out)
-    torch.testing.assert_close(outs[1], ik.qmatvec_i(w3, norm4.x24, torch.empty(19, device=device), qtype=Q6_K) * rinv,
-                               rtol=1e-6, atol=0)
-
-
-def test_next_norm_checked(device) -> None:
-    """A NextNorm that does not fit the product is refused before any launch, naming what is wrong."""
-    w = torch.zeros(2, 48, 144, dtype=torch.uint8, device=device)  # Q4_K [E=2, N=48, K=256]: N % 32 != 0
-    h = ik.X24.empty((1, 256), device)
-    ids, wts = torch.zeros(1, dtype=torch.int32, device=device), torch.ones(1, device=device)
-    r = torch.zeros(48, device=device)
-    bad = ik.NextNorm(torch.ones(48, device=device), ik.X24.empty((32,), device), torch.zeros(1, device=device),
-                      torch.zeros(1, dtype=torch.int32, device=device), 1e-6)
-    with pytest.raises(ValueError, match="norm needs N % 32 == 0"):
-        ik.moe_down_i(w, h, ids, wts, r, r, norm=bad)
-    x = ik.X24.empty((256,), device)
-    with pytest.raises(ValueError, match="norm.ss must hold K / 32 = 8 sums"):
-        ik.qmatvec_i(torch.zeros(4, 144, dtype=torch.uint8, device=device), x, torch.empty(4, device=device), norm=bad)
+        again = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, **kw)
+        assert torch.equal(out, again), f"experts_ahead={ahead}: two runs differ"
+        if same_bits:
+            assert torch.equal(out, one), f"experts_ahead={ahead} differs from the one-expert loop"
+        else:
+            check_bound(out, one.cpu().double(), bound, seed, f"experts_ahead={ahead} against one", tol=1e-6)
 
 
 def test_qmatvec_i2(device, rng) -> None:
@@ -340,28 +284,6 @@ def test_qmatvec_i2(device, rng) -> None:
         out, out2 = torch.full((37,), float("nan"), device=device), torch.full((m2,), float("nan"), device=device)
         ik.qmatvec_i2(w, Q4_K, out, w2, qt2, out2, xq)
         assert torch.equal(out, want) and torch.equal(out2, want2)
-
-
-@pytest.mark.parametrize("qtype,k,tile", [(Q4_K, 512, None), (Q4_K, 768, wk.WTile(2, 1)), (Q6_K, 512, None),
-                                         (Q8_0, 768, wk.WTile(1, 1))], ids=str)
-def test_qmatvec_i_ahead(qtype, k, tile, device, rng) -> None:
-    """Every load before the arithmetic (ahead=True, K-steps unrolled): bit for bit the default's output, alone and in
-    `qmatvec_i2`, with a residual, odd rows, poisoned outputs."""
-    gen, _ = rng
-    w, _ = _iweights(qtype, (37,), k, gen, device)
-    xq, _ = _x24(vec(gen, k), device)
-    r = vec(gen, 37).to(device)
-    want = ik.qmatvec_i(w, xq, torch.full((37,), float("nan"), device=device), r, qtype=qtype, tile=tile)
-    out = torch.full((37,), float("nan"), device=device)
-    ik.qmatvec_i(w, xq, out, r, qtype=qtype, tile=tile, ahead=True)
-    assert torch.equal(out, want)
-    if qtype != Q4_K:
-        wq, _ = _iweights(Q4_K, (21,), k, gen, device)
-        want2 = ik.qmatvec_i(wq, xq, torch.empty(21, device=device))
-        want = ik.qmatvec_i(w, xq, torch.empty(37, device=device), qtype=qtype)
-        outs = torch.full((21,), float("nan"), device=device), torch.full((37,), float("nan"), device=device)
-        ik.qmatvec_i2(wq, Q4_K, outs[0], w, qtype, outs[1], xq, ahead=True)
-        assert torch.equal(outs[0], want2) and torch.equal(outs[1], want)
 
 
 def test_deterministic(device, rng) -> None:

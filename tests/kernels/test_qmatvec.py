@@ -125,10 +125,10 @@ def test_moe_down_experts_ahead(qtype, device, rng) -> None:
                                                                       h.double().abs())).sum(0)
     args = (w, int(qtype), h.to(device), ids.to(device), wts.to(device), r.to(device))
     for tile in (None, Tile(block_m=4, nb=256 // GEOMETRY[qtype][0], num_warps=2)):
-        one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile)
-        for ahead in (2, 3, 4):
+        one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile, experts_ahead=1)
+        for ahead in (None, 2, 3, 4):  # None: the default, EXPERTS_AHEAD
             out = torch.full((n,), float("nan"), device=device)
-            moe_down(*args, out, tile=tile, experts_ahead=ahead)
+            moe_down(*args, out, tile=tile, **({} if ahead is None else {"experts_ahead": ahead}))
             _check(out, ref, bound, seed, f"down {qtype.name} experts_ahead={ahead} tile={tile}")
             assert torch.equal(out, one), f"{qtype.name} experts_ahead={ahead} tile={tile}"
 

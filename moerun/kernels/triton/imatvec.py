@@ -17,7 +17,7 @@ models, NOTES.md 7n).
 Q6_K and Q8_0 are read from load-time copies with one signed byte per weight (`COPIES`: layouts Q6I, with q - 32,
 and Q8I), so their words go to the dot instructions as they are and the scales apply per 16 / 32 weights
 (NOTES.md 7o, 7p). The producers write x quantized (decode_ops `store_x24`: RMSNorm, the router's RMSNorm, the
-attention reduce); for down, the gate/up launch itself (`_quantize_group`).
+attention reduce); for down, the gate/up launch itself (`_quantize_h_group`).
 
 - `quantize_x24`    x [..., K] -> X24
 - `qmatvec_i`       out[M] = W[M, K] @ x[K] (+ residual[M])
@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moerun.kernels.torch_ops import X24, NextNorm, Route
+from moerun.kernels.torch_ops import X24, Route
 from moerun.kernels.triton.outputs import store_x24
-from moerun.kernels.triton.qmatvec import ACTIVATIONS, chosen_experts, zero_after_barrier
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, EXPERTS_AHEAD, chosen_experts, zero_after_barrier
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
     WTile,
@@ -419,32 +419,17 @@ def _irows_dot(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xs
 @triton.jit
 def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
               U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-              HAS_RES: tl.constexpr, EMU: tl.constexpr, AHEAD: tl.constexpr, ss_ptr, eps, NORM: tl.constexpr,
-              BLOCK_G: tl.constexpr):
-    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product; AHEAD: every load issued before the arithmetic (a CTA
-    barrier, `_irows_load`), the same sums in the same order. NORM: x24 holds x * weight of an RMSNorm whose sums of
-    squares per 32 values are at ss_ptr (`NextNorm`): each output times rsqrt(mean(x^2) + eps) (the product is linear
-    in x24's scales and sums)."""
+              HAS_RES: tl.constexpr, EMU: tl.constexpr):
+    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = pid * R
     start = row0.to(tl.int64) * SW
-    if NORM:
-        gi = tl.arange(0, BLOCK_G)
-        ss = tl.load(ss_ptr + gi, mask=gi < 8 * N_BLOCKS, other=0.0)
-        rinv = 1.0 / tl.sqrt_rn(tl.sum(ss, 0) / (256 * N_BLOCKS) + eps)
     accs, accms = _izeros(QT, R, NB, T)
-    if AHEAD:
-        pend = _irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr, xl_ptr, xs_ptr,
-                           xsum_ptr, SW, N_BLOCKS, R, NB, T)
-        accs, accms = _irows_math(QT, pend, zero_after_barrier(xs_ptr), 1.0, accs, accms, N_BLOCKS // NB, R, EMU)
-    else:
-        accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr,
-                                 xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
+    accs, accms = _irows_dot(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, M, xh_ptr,
+                             xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, SW, N_BLOCKS, R, NB, T, EMU)
     for r in tl.static_range(R):
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r])
-        if NORM:
-            v = v * rinv
         if HAS_RES:
             v += tl.load(res_ptr + row, mask=row < M, other=0.0)
         tl.store(out_ptr + row, v, mask=row < M)
@@ -453,47 +438,41 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
 @triton.jit
 def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
                 U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-                HAS_RES: tl.constexpr, EMU: tl.constexpr, AHEAD: tl.constexpr, ss_ptr, eps, NORM: tl.constexpr,
-                BLOCK_G: tl.constexpr):
+                HAS_RES: tl.constexpr, EMU: tl.constexpr):
     """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
-    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]. NORM: as `_imv_rows`."""
+    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]."""
     _imv_rows(tl.program_id(0), w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT, U,
-              N_BLOCKS, R, NB, T, HAS_RES, EMU, AHEAD, ss_ptr, eps, NORM, BLOCK_G)
+              N_BLOCKS, R, NB, T, HAS_RES, EMU)
 
 
 @triton.jit
 def _imv2_kernel(w_ptr, w16_ptr, w8_ptr, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out2_ptr,
                  M, M2, P1, QT: tl.constexpr, U: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                  QT2: tl.constexpr, U2: tl.constexpr, R2: tl.constexpr, NB2: tl.constexpr, N_BLOCKS: tl.constexpr,
-                 T: tl.constexpr, EMU: tl.constexpr, AHEAD: tl.constexpr, ss_ptr, eps, NORM: tl.constexpr,
-                 BLOCK_G: tl.constexpr):
+                 T: tl.constexpr, EMU: tl.constexpr):
     """Grid (P1 + cdiv(M2, R2),): two matrices of different layouts over the same x24 of [K] in one launch (a
     layer's q/k and v runs of two types): programs below P1 = cdiv(M, R) do `_imv_kernel`'s work for w [M, ...] ->
-    out [M], the rest for v [M2, ...] -> out2 [M2] (no residual). NORM: as `_imv_rows`."""
+    out [M], the rest for v [M2, ...] -> out2 [M2] (no residual)."""
     pid = tl.program_id(0)
     if pid < P1:
         _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out_ptr, M, QT, U,
-                  N_BLOCKS, R, NB, T, False, EMU, AHEAD, ss_ptr, eps, NORM, BLOCK_G)
+                  N_BLOCKS, R, NB, T, False, EMU)
     else:
         _imv_rows(pid - P1, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out2_ptr, out2_ptr, M2, QT2,
-                  U2, N_BLOCKS, R2, NB2, T, False, EMU, AHEAD, ss_ptr, eps, NORM, BLOCK_G)
+                  U2, N_BLOCKS, R2, NB2, T, False, EMU)
 
 
 @triton.jit
-def _quantize_group(v_ptr, grp, qh_ptr, ql_ptr, qs_ptr, qsum_ptr, cnt_ptr, ARRIVALS: tl.constexpr, nw_ptr, ss_ptr,
-                    NORM: tl.constexpr):
-    """After this program stored its values of 32-value group `grp` (the group's first value f32 at v_ptr): the last
-    of the group's ARRIVALS programs to arrive (an acq_rel counter after a CTA barrier; it resets the counter)
-    quantizes the group into the X24 at qh/ql/qs/qsum_ptr. NORM: an RMSNorm's part instead (`NextNorm`): the group's
-    sum of squares into ss_ptr[grp] and the group times its norm weights (nw_ptr: the group's first) quantized."""
+def _quantize_h_group(h_ptr, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R: tl.constexpr):
+    """After this program stored its R values of h row `sel` (from row0; f32 at h_ptr, natural order): the last of
+    the 32 / R programs of its 32-value group to arrive (an acq_rel counter after a CTA barrier; it resets the
+    counter) quantizes the group into the X24 of h [n_sel, F] (hh/hl/hs/hsum_ptr)."""
+    grp = sel * (F // 32) + row0 // 32
     tl.debug_barrier()  # every thread's stores before the release below
-    if tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1:
-        v = tl.load(v_ptr + tl.arange(0, 32), volatile=True)
-        if NORM:
-            tl.store(ss_ptr + grp, tl.sum(v * v, 0))
-            v = v * tl.load(nw_ptr + tl.arange(0, 32))
+    if tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu") == 32 // R - 1:
+        hv = tl.load(h_ptr + (row0 // 32) * 32 + tl.arange(0, 32), volatile=True)
         one = tl.arange(0, 1)
-        store_x24(tl.reshape(v, [1, 32]), grp + one, one == 0, qh_ptr, ql_ptr, qs_ptr, qsum_ptr, 32)
+        store_x24(tl.reshape(hv, [1, 32]), grp + one, one == 0, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, 32)
         tl.atomic_xchg(cnt_ptr + grp, 0, sem="relaxed", scope="gpu")
 
 
@@ -507,7 +486,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
     `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
-    H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_group`,
+    H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
     counters cnt [n_sel F / 32] int32 zeros, left zero)."""
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
@@ -538,8 +517,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
         _store_h(out_ptr + sel * stride_out, row0 + r, F, _itotal_qt(QT, ga[r], gm[r]), _itotal_qt(QT, ua[r], um[r]),
                  ACT, PERM_OUT)
     if H24:
-        _quantize_group(out_ptr + sel * stride_out + (row0 // 32) * 32, sel * (F // 32) + row0 // 32, hh_ptr, hl_ptr,
-                        hs_ptr, hsum_ptr, cnt_ptr, 32 // R, out_ptr, out_ptr, False)
+        _quantize_h_group(out_ptr + sel * stride_out, row0, sel, F, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, cnt_ptr, R)
 
 
 @triton.jit
@@ -600,15 +578,12 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
 
 @triton.jit
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
-                  stride_e, nw_ptr, nh_ptr, nl_ptr, ns_ptr, nsum_ptr, ss_ptr, cnt_ptr, QT: tl.constexpr,
-                  U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-                  T: tl.constexpr, EU: tl.constexpr, NORM: tl.constexpr, EMU: tl.constexpr):
+                  stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
     weight folded into the scales, experts summed in order. EU > 1: the experts' loads EU at a time ahead of their
-    arithmetic (`_idown_experts`, EU divides N_SEL). NORM: the next RMSNorm's share of the work on out (`NextNorm`:
-    weight nw [N], X24 of out * nw at nh/nl/ns/nsum, sums of squares ss [N / 32], counters cnt [N / 32]; R divides
-    32, `_quantize_group`)."""
+    arithmetic (`_idown_experts`, EU divides N_SEL)."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
     accs, accms = _izeros(QT, R, NB, T)
@@ -628,10 +603,6 @@ def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r]) + tl.load(res_ptr + row, mask=row < N, other=0.0)
         tl.store(out_ptr + row, v, mask=row < N)
-    if NORM:
-        g = row0 // 32
-        _quantize_group(out_ptr + g * 32, g, nh_ptr, nl_ptr, ns_ptr, nsum_ptr, cnt_ptr, 32 // R, nw_ptr + g * 32,
-                        ss_ptr, True)
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -650,20 +621,8 @@ ITILES = {("mv", Q4_K): WTile(2, 8), ("mv_big", Q4_K): WTile(4, 8), ("gate_up", 
           ("mv", Q8I): WTile(2, 4), ("gate_up", Q8I): WTile(2, 2), ("down", Q8I): WTile(1, 2)}
 BIG_ROWS = 16384  # a matvec with at least this many rows takes ITILES[("mv_big", layout)] where there is one
 # down's tiles per experts_ahead (> 1) and layout, where not ITILES': one wave of one-warp programs at the OLMoE sizes
-# (static sm_90 SASS, NOTES.md 7x: 4 ahead at one row per program needs 254 registers, 8 warps per SM for 15.5 programs)
-AHEAD_TILES = {(2, Q8I): WTile(2, 4), (4, Q6I): WTile(2, 4), (4, Q8I): WTile(2, 4)}
-# the matvecs' tiles with every load ahead (`qmatvec_i` ahead), where not ITILES': Q6I / Q8I in one K-step (unrolled,
-# two steps of 4 blocks hold 128 registers; one of 8: 96 for Q6I, so a fused q/k/v launch keeps ~21 warps per SM)
-MV_AHEAD_TILES = {Q6I: WTile(2, 8), Q8I: WTile(2, 8)}
-
-
-def _norm_args(norm: NextNorm | None, k: int, like: torch.Tensor) -> dict:
-    """The matvec kernels' NORM arguments for inputs of K values (keywords: ss_ptr, eps and the constexprs)."""
-    if norm is None:
-        return dict(ss_ptr=like, eps=0.0, NORM=False, BLOCK_G=1)
-    if norm.ss.numel() != k // X_GROUP:
-        raise ValueError(f"norm.ss must hold K / 32 = {k // X_GROUP} sums, got {norm.ss.numel()}")
-    return dict(ss_ptr=norm.ss, eps=float(norm.eps), NORM=True, BLOCK_G=triton.next_power_of_2(k // X_GROUP))
+# (static sm_90 SASS, NOTES.md 7x: Q8I at 2 ahead and one row per program needs 138 registers, one wave 128)
+AHEAD_TILES = {(2, Q8I): WTile(2, 4)}
 
 
 def quantize_x24(x: torch.Tensor, out: X24 | None = None) -> X24:
@@ -723,47 +682,40 @@ def _iviews(qtype: int, w: torch.Tensor, k: int) -> tuple[tuple[torch.Tensor, ..
                      f"K = {k} (Q4_K rows, or Q6_K / Q8_0 as their contiguous `imatvec.COPIES` copy)")
 
 
-def _itile(kind: str, qt: int, m: int, ahead: bool = False) -> WTile:
-    if ahead and kind == "mv" and qt in MV_AHEAD_TILES:
-        return MV_AHEAD_TILES[qt]
+def _itile(kind: str, qt: int, m: int) -> WTile:
     return ITILES.get((kind + ("_big" if kind == "mv" and m >= BIG_ROWS else ""), qt)) or ITILES[(kind, qt)]
 
 
 def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor | None = None,
-              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD,
-              ahead: bool = False, norm: NextNorm | None = None) -> torch.Tensor:
+              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
     """out[M] = W[M, K] @ x[K] (+ residual[M]). w: uint8 [M, row_bytes], a Q4_K matrix or (qtype Q6_K / Q8_0) its
-    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). ahead: each program issues all its
-    loads (every K-step unrolled) before its arithmetic (`_irows_load`, as down's experts_ahead). norm: x holds
-    x * weight of that RMSNorm (`NextNorm`), the outputs are scaled by its rsqrt (before the residual). Returns out."""
+    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). Returns out."""
     m, k = w.shape[0], x.hi.shape[-1]
     views, units, qt = _iviews(qtype, w, k)
-    t = wtile_for("mv", m, k, m, w.device, tile or _itile("mv", qt, m, ahead))
+    t = wtile_for("mv", m, k, m, w.device, tile or _itile("mv", qt, m))
     _imv_kernel[(triton.cdiv(m, t.rows),)](
         *views, *_xviews(x, k), out if residual is None else residual, out, m,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
-        AHEAD=ahead, **_norm_args(norm, k, out), num_warps=t.num_warps, num_stages=t.num_stages)
+        num_warps=t.num_warps, num_stages=t.num_stages)
     return out
 
 
 def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor, qtype2: int, out2: torch.Tensor,
-               x: X24, *, words: int = WORDS_PER_THREAD, ahead: bool = False,
-               norm: NextNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               x: X24, *, words: int = WORDS_PER_THREAD) -> tuple[torch.Tensor, torch.Tensor]:
     """out = W @ x and out2 = W2 @ x in one launch (`_imv2_kernel`), each matrix as `qmatvec_i` takes it (its own
-    type, layout and default tile; `ahead` and `norm` as there); their tiles must have the same warps. Returns
-    (out, out2)."""
+    type, layout and default tile); their tiles must have the same warps. Returns (out, out2)."""
     k = x.hi.shape[-1]
     (views, units, qt), (views2, units2, qt2) = _iviews(qtype, w, k), _iviews(qtype2, w2, k)
     m, m2 = w.shape[0], w2.shape[0]
-    t = wtile_for("mv", m, k, m, w.device, _itile("mv", qt, m, ahead))
-    t2 = wtile_for("mv", m2, k, m2, w2.device, _itile("mv", qt2, m2, ahead))
+    t = wtile_for("mv", m, k, m, w.device, _itile("mv", qt, m))
+    t2 = wtile_for("mv", m2, k, m2, w2.device, _itile("mv", qt2, m2))
     if t.num_warps != t2.num_warps:
         raise ValueError(f"qmatvec_i2: the two matrices' tiles differ in warps ({t} vs {t2})")
     p1 = triton.cdiv(m, t.rows)
     _imv2_kernel[(p1 + triton.cdiv(m2, t2.rows),)](
         *views, *views2, *_xviews(x, k), out, out2, m, m2, p1, QT=qt, U=units, R=t.rows, NB=t.nb, QT2=qt2,
-        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, AHEAD=ahead, **_norm_args(norm, k, out),
-        num_warps=t.num_warps, num_stages=max(t.num_stages, t2.num_stages))
+        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, num_warps=t.num_warps,
+        num_stages=max(t.num_stages, t2.num_stages))
     return out, out2
 
 
@@ -800,27 +752,17 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD, experts_ahead: int = 1, norm: NextNorm | None = None) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
     residual / out: f32 [N] (out may be residual). experts_ahead: the experts whose loads a program issues before
-    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). norm: also the
-    next RMSNorm's share of the work on out (`NextNorm`: its x24 and ss written, N % 32 == 0). Returns out."""
+    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
     eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
     t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
-    if norm is None:
-        nargs: tuple = (out,) * 7
-    else:
-        if n % X_GROUP or X_GROUP % t.rows or norm.weight.numel() != n or norm.ss.numel() != n // X_GROUP \
-                or norm.counters.numel() < n // X_GROUP:
-            raise ValueError(f"norm needs N % 32 == 0 (N = {n}), rows per program dividing 32 ({t.rows}), a weight of "
-                             f"N values, N / 32 sums and N / 32 int32 counters")
-        _xviews(norm.x24, n)  # checks its shape and alignment
-        nargs = (norm.weight, *norm.x24, norm.ss, norm.counters)
     _idown_kernel[(triton.cdiv(n, t.rows),)](
-        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0), *nargs,
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, NORM=norm is not None,
-        EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
+        *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU,
+        num_warps=t.num_warps, num_stages=t.num_stages)
     return out
