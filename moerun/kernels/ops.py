@@ -21,8 +21,11 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "attnearly": "each attention split program loads its first K / V tile with q / k / v and the RoPE row, this "
+                 "step's k / v taken from registers (decode_ops.attention_decode early=True)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnearly": {"attn_early": True}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

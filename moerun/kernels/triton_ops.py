@@ -36,18 +36,22 @@ class TritonOps:
     attn_fused: the attention's reduce done by the last program of each head in the split launch.
     qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch.
     down_ahead: the down kernels (integer, and the byte kernel's F32 / F16 / BF16) issue this many experts' loads
-    before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time)."""
+    before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
+    attn_early: each attention split program loads its first K / V tile with its other first loads
+    (`decode_ops.attention_decode` early)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
-                 qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD) -> None:
+                 qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
+                 attn_early: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
+        self.attn_early = attn_early
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -249,7 +253,8 @@ class TritonOps:
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out))
+                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
+                            early=self.attn_early)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -263,7 +268,7 @@ class TritonOps:
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out))
+                            out_x24=out_x24, counters=self._attn_counters(out), early=self.attn_early)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

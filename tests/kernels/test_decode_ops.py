@@ -174,6 +174,48 @@ def test_attention_decode_rope(gen: torch.Generator, h: int, hkv: int, d: int, d
     close(out, want)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rope,fused", [(True, True), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
+    (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
+    (2, 2, 64, 64, 5, 33, 0)])
+def test_attention_decode_early(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int, kv_len: int,
+                                window: int, rope: bool, fused: bool, cache_dtype: torch.dtype) -> None:
+    """early=True (each split's first K / V tile loaded with its first loads; with rope this step's row from
+    registers, the cache's row poisoned with NaN until the launch stores it): the same output (and quantized output),
+    partials where they are written, and cache rows as early=False, bit for bit; GQA, windows, one and several live
+    splits (min_split 16), tiles of 16 positions."""
+    n_ctx, eps, scale = 96, 1e-6, d ** -0.5
+    q = randn(gen, h * d, scale=2.0)
+    k, v = randn(gen, hkv * d), randn(gen, hkv * dv)
+    qw, kw = randn(gen, h * d), randn(gen, hkv * d)
+    table = ops.rope_table(n_ctx, d, 1000.0, 1.0, None, device=DEV)
+    k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
+    v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
+    if rope:
+        k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
+    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
+    x24 = dv % 32 == 0 and (h * dv) % 32 == 0
+    results = []
+    for early in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
+        out, out24 = nan(h, dv), (poisoned_x24(h * dv) if x24 else None)
+        kwargs = dict(block_n=16, min_split=16, out_x24=out24, early=early,
+                      counters=torch.zeros(h, dtype=torch.int32, device=DEV) if fused else None,
+                      rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox") if rope else None)
+        ops.attention_decode(q.view(h, d), kc, vc, kv_len_t, scale, window, out, scratch, **kwargs)
+        assert not out.isnan().any()
+        results.append((out, out24, kc, vc, scratch if not fused else ()))
+    (out0, x0, k0, v0, s0), (out1, x1, k1, v1, s1) = results
+    assert torch.equal(out1, out0)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+    if x24:
+        assert all(torch.equal(a, b) for a, b in zip(x1, x0, strict=True))
+    for a, b in zip(s1, s0, strict=True):  # the partials (reduce launch): the same, NaN where no split wrote
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 def _attention_into(gen: torch.Generator, **outputs) -> torch.Tensor:
     """One small attention_decode (4 heads of 64, 2 KV heads, 9 cached positions, 2 splits) writing its extra
     `outputs` (out_perm / out_x24) too; returns out [4, 64]."""

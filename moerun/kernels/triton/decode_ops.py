@@ -163,15 +163,21 @@ def _norm_rope_head(x_ptr, full_ptr, w_ptr, cs_ptr, eps,
 
 
 @triton.jit
-def _cast_store(ptr, y, mask, BF16: tl.constexpr):
-    """Store f32 y at ptr in the pointer's dtype; bf16 rounds to nearest even by integer ops (bit-identical on the
-    GPU and in Triton's interpreter, whose own f32 -> bf16 cast truncates)."""
+def _cast(ptr, y, BF16: tl.constexpr):
+    """f32 y in the dtype ptr points at (what a store there and a load back give); bf16 rounds to nearest even by
+    integer ops (bit-identical on the GPU and in Triton's interpreter, whose own f32 -> bf16 cast truncates)."""
     if BF16:
         bits = y.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        tl.store(ptr, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+        return y.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _cast_store(ptr, y, mask, BF16: tl.constexpr):
+    """Store f32 y at ptr in the pointer's dtype (`_cast`)."""
+    tl.store(ptr, _cast(ptr, y, BF16), mask=mask)
 
 
 @triton.jit
@@ -283,6 +289,32 @@ def _live_splits(len_ptr, window, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexp
 
 
 @triton.jit
+def _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] rows n0 .. n0 + BLOCK_N - 1 below hi (zeros past it), in the
+    caches' dtype; V issued with K (the reductions after them synchronise the warps, and no load moves across)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < hi
+    rows = n.to(tl.int64)
+    k = tl.load(k_base + rows[:, None] * k_sn + d[None, :], mask=nmask[:, None] & (d < D)[None, :], other=0.0)
+    v = tl.load(v_base + rows[:, None] * v_sn + dv[None, :], mask=nmask[:, None] & (dv < DV)[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attn_tile(q, k, v, nmask, m_i, l_i, acc):
+    """One tile of the online softmax: q [BLOCK_D] f32 (log2-scaled), k [BLOCK_N, BLOCK_D] / v [BLOCK_N, BLOCK_DV] f32,
+    nmask [BLOCK_N] the live rows; the running max m_i, sum l_i and acc [BLOCK_DV] -> updated."""
+    s = tl.sum(k * q[None, :], 1)  # [BLOCK_N]
+    s = tl.where(nmask, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
                        k_sn, k_sh, v_sn, v_sh,
                        kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
@@ -292,7 +324,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -307,6 +339,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     FUSED: the last of head h's programs to finish (an acq_rel counter cnt [H] after a CTA barrier; it resets the
     counter) also combines the head's partials (`_attn_combine`, the reduce launch's work and outputs); where the
     head has one live split (a live length up to MIN_SPLIT) that program writes the output at once, no partials.
+
+    EARLY: the chunk's first K / V tile is loaded with the prologue's loads, one dependent round trip after the
+    length instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at
+    len-1 in the tiles is this step's k / v from registers, cast to the cache's dtype (what the store and a load
+    back give), and no barrier waits for the store. The same values in the same order as without.
     """
     sp = tl.program_id(1)
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
@@ -320,6 +357,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
 
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
+    k_base = k_ptr + kvh * k_sh
+    v_base = v_ptr + kvh * v_sh
+    if EARLY:
+        kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
     if ROPE:
         pos = kv_len - 1
         pos64 = pos.to(tl.int64)
@@ -340,31 +381,36 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         if (lo <= pos) & (pos < hi):
             _cast_store(k_ptr + pos64 * k_sn + kvh * k_sh + d, kn, d < D, K_BF16)
             _cast_store(v_ptr + pos64 * v_sn + kvh * v_sh + dv, vn, dv < DV, V_BF16)
-        tl.debug_barrier()  # this program's loop reads position len-1 from the caches
+        if EARLY:  # the tiles' row len-1, as the store above leaves it
+            kc = _cast(k_ptr, kn, K_BF16)
+            vc = _cast(v_ptr, vn, V_BF16)
+        else:
+            tl.debug_barrier()  # this program's loop reads position len-1 from the caches
         q = q * qk_scale
     else:
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
-    k_base = k_ptr + kvh * k_sh
-    v_base = v_ptr + kvh * v_sh
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     n0 = lo
+    if EARLY:  # the first tile, loaded above (an empty chunk: what the loop leaves, m -inf, l 0, acc 0)
+        n = lo + tl.arange(0, BLOCK_N)
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+        if ROPE:
+            at = n == pos
+            kt = tl.where(at[:, None], kc.to(tl.float32)[None, :], kt)
+            vt = tl.where(at[:, None], vc.to(tl.float32)[None, :], vt)
+        m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
+        some = lo < hi
+        m_i = tl.where(some, m1, m_i)
+        l_i = tl.where(some, l1, l_i)
+        acc = tl.where(some, a1, acc)
+        n0 += BLOCK_N
     while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        rows = n.to(tl.int64)
-        k = tl.load(k_base + rows[:, None] * k_sn + d[None, :], mask=nmask[:, None] & (d < D)[None, :], other=0.0)
-        # V issued with K: the reductions below synchronise the warps, and no load moves across that barrier
-        v = tl.load(v_base + rows[:, None] * v_sn + dv[None, :], mask=nmask[:, None] & (dv < DV)[None, :], other=0.0)
-        s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BLOCK_N]
-        s = tl.where(nmask, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-        m_i = m_new
+        k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+        m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
+                                   acc)
         n0 += BLOCK_N
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
         _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
@@ -460,7 +506,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
-                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
+                     early: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -475,6 +522,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
+    early: each split program loads its first K / V tile with its other first loads (`_attn_split_kernel` EARLY).
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -509,7 +557,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, num_warps=num_warps)
+            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps)
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
