@@ -133,7 +133,9 @@ def main() -> None:
     for dtype in (torch.float16, torch.float32):
         bench_attention(dtype, [1, 17, 512, 4095, 4096], sm, bw, rows)
     # each split's first K / V tile loaded with its first loads (`attention_decode(early=True)`, ops feature attnearly)
-    bench_attention(torch.float16, [1, 17, 128, 512, 4095, 4096], sm, bw, rows, tag=" early", early=True)
+    bench_attention(torch.float16, [1, 17, 128, 512, 4095, 4096], sm, bw, rows, tag=" early", early=True,
+                    programs_per_sm=ops.ATTN_EARLY_PROGRAMS_PER_SM)
+    bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" early pps=4", early=True)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

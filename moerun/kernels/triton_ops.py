@@ -38,7 +38,7 @@ class TritonOps:
     down_ahead: the down kernels (integer, and the byte kernel's F32 / F16 / BF16) issue this many experts' loads
     before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
     attn_early: each attention split program loads its first K / V tile with its other first loads
-    (`decode_ops.attention_decode` early)."""
+    (`decode_ops.attention_decode` early), the splits sized for its registers (`ATTN_EARLY_PROGRAMS_PER_SM`)."""
 
     name = "triton"
 
@@ -233,7 +233,8 @@ class TritonOps:
         key = (k_cache.shape[0], H, Dv, out.device)
         scratch = self._attn_scratch.get(key)
         if scratch is None:
-            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device))
+            pps = dk.ATTN_EARLY_PROGRAMS_PER_SM if self.attn_early else 4  # one wave of split programs
+            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device), programs_per_sm=pps)
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
         return scratch
 

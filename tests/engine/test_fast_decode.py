@@ -190,6 +190,16 @@ def test_make_ops_names() -> None:
     t = make_ops("triton")
     assert t.qkv_fused and t.attn_fused and t.int_kinds == ik.INT_KINDS and 8 in ik.INT_KINDS
     assert t.down_ahead == make_ops("triton-bytes").down_ahead == 2  # NOTES.md 7y (down4, mvahead, dnorm: deleted)
+    # attnearly: early attention programs, the splits sized for their registers (a scratch of fewer splits)
+    from moerun.kernels.gpu import sm_count
+    from moerun.kernels.triton import decode_ops as dk
+
+    k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
+    e = make_ops("triton+attnearly")
+    assert e.attn_early and not t.attn_early
+    assert e._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
+                                                                         programs_per_sm=dk.ATTN_EARLY_PROGRAMS_PER_SM)
+    assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device))
 
 
 def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:

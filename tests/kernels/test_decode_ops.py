@@ -277,6 +277,7 @@ def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d
 
 def test_attention_splits_policy() -> None:
     assert ops.attention_splits(4096, 16, 132) == 33  # 528 programs of 128 positions
+    assert ops.attention_splits(4096, 16, 132, programs_per_sm=ops.ATTN_EARLY_PROGRAMS_PER_SM) == 25  # early: 400
     assert ops.attention_splits(96, 16, 132, block_n=64) == 2  # never more splits than tiles
     assert ops.attention_splits(1, 64, 132) == 1
     assert ops.attention_splits(131072, 32, 132) == 17

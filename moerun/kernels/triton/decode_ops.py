@@ -254,6 +254,9 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 ATTN_BLOCK_N = 64  # KV positions per loaded tile
 ATTN_MIN_SPLIT = 128  # the fewest KV positions a split takes while the live length leaves splits idle
 NO_WINDOW = 1 << 30
+# programs per SM the split policy aims at with `attention_decode(early=True)`: its 159 registers (sm_90, OLMoE's
+# shape, NOTES.md 7z) leave room for 3 programs of 4 warps per SM where the default's 96 leave 5
+ATTN_EARLY_PROGRAMS_PER_SM = 3
 
 
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
