@@ -233,6 +233,10 @@ class FastDecoder:
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""
+        with self.ops.step_context():  # TritonOps: programmatic dependent launch where its `pdl` says so
+            self._step_launches()
+
+    def _step_launches(self) -> None:
         cfg = self.cfg
         self._embed()
         for i, L in enumerate(self.layers):

@@ -24,8 +24,10 @@ BASES: dict[str, dict[str, Any]] = {
 FEATURES: dict[str, str] = {
     "attnearly": "each attention split program loads its first K / V tile with q / k / v and the RoPE row, this "
                  "step's k / v taken from registers (decode_ops.attention_decode early=True)",
+    "pdl": "programmatic dependent launch: each decode kernel lets the next launch, then waits for the one before "
+           "(kernels/triton/pdl.py; compute capability 9.0+, elsewhere plain launches)",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnearly": {"attn_early": True}}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnearly": {"attn_early": True}, "pdl": {"pdl": True}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -10,6 +10,7 @@ Shapes: N = model width, H/Hkv = query/KV heads, D/Dv = head dims, E = experts, 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -75,6 +76,11 @@ class TorchOps:
     """
 
     name = "torch"
+
+    @staticmethod
+    def step_context() -> AbstractContextManager[None]:
+        """Entered around each decode step's launches (TritonOps: programmatic dependent launch, `pdl`)."""
+        return nullcontext()
 
     @staticmethod
     def perm(qtype: int, k: int, kind: str | None = None) -> bool:

@@ -8,6 +8,7 @@ A weight type without a fused kernel falls back to TorchOps (visible in `paths`)
 from __future__ import annotations
 
 import warnings
+from contextlib import AbstractContextManager
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -19,6 +20,7 @@ from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import imatvec as ik
 from moerun.kernels.triton import qmatvec as qk
 from moerun.kernels.triton import wmatvec as wk
+from moerun.kernels.triton.pdl import launches as pdl_launches
 
 REPACK_RESERVE = 1 << 30  # GPU bytes a repacked copy must leave free (prefill workspaces, graphs)
 
@@ -38,25 +40,32 @@ class TritonOps:
     down_ahead: the down kernels (integer, and the byte kernel's F32 / F16 / BF16) issue this many experts' loads
     before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
     attn_early: each attention split program loads its first K / V tile with its other first loads
-    (`decode_ops.attention_decode` early), the splits sized for its registers (`ATTN_EARLY_PROGRAMS_PER_SM`)."""
+    (`decode_ops.attention_decode` early), the splits sized for its registers (`ATTN_EARLY_PROGRAMS_PER_SM`).
+    pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
+    each lets the next one launch, then waits for the one before, so launches overlap the kernel before them."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 attn_early: bool = False) -> None:
+                 attn_early: bool = False, pdl: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
         self.attn_early = attn_early
+        self.pdl = pdl
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._argmax_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._counter_scratch: dict[tuple, torch.Tensor] = {}
+
+    def step_context(self) -> AbstractContextManager[None]:
+        """Entered around each decode step's launches: PDL for the kernels that take it, where `pdl`."""
+        return pdl_launches(self.pdl)
 
     @staticmethod
     def has_kernel(qtype: int) -> bool:

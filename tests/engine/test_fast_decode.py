@@ -197,6 +197,7 @@ def test_make_ops_names() -> None:
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
     e = make_ops("triton+attnearly")
     assert e.attn_early and not t.attn_early
+    assert make_ops("triton+pdl").pdl and not t.pdl and not e.pdl  # programmatic dependent launch (test_pdl.py)
     assert e._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
                                                                          programs_per_sm=dk.ATTN_EARLY_PROGRAMS_PER_SM)
     assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device))

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from moerun.kernels import reference as ref
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
+from moerun.kernels.triton.pdl import begin, launch_args
 
 LOG2E = 1.4426950408889634
 QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
@@ -36,10 +37,11 @@ def _np2(n: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, BLOCK: tl.constexpr,
-                     PERM: tl.constexpr, X24: tl.constexpr):
+                     PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
     in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with X24
     quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0)."""
+    begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -70,7 +72,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
     xa = x24_args(out_x24, n, "out_x24", out)
     _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
                               BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
-                              num_warps=8 if block >= 4096 else 4)
+                              num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
     return out
 
 
@@ -327,7 +329,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr):
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -348,6 +350,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     len-1 in the tiles is this step's k / v from registers, cast to the cache's dtype (what the store and a load
     back give), and no barrier waits for the store. The same values in the same order as without.
     """
+    begin(PDL)
     sp = tl.program_id(1)
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
     if sp >= live:
@@ -560,7 +563,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps)
+            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
@@ -684,10 +687,11 @@ def router_logits(x: torch.Tensor, w_router: torch.Tensor, logits_out: torch.Ten
 
 @triton.jit
 def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, E,
-                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr):
+                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
     """Program e (of E): y = x * rsqrt(mean(x^2) + eps) * nw (`_rms_norm_kernel`'s arithmetic, so the same bits
     at the same BLOCK and warps), out[e] = W[e] . y; lanes i with i % E == e store y into xn (and into xp at
     `perm_slot(i)` with PERM), so the E programs write y once between them. x, nw: [N] f32, W: [E, N] f32."""
+    begin(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -720,7 +724,7 @@ def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: tor
     xa = x24_args(xn_x24, n, "xn_x24", xn_out)
     _norm_router_kernel[(e,)](x, norm_w, w_router, logits_out, xn_out, xn_out if xn_perm is None else xn_perm,
                               *xa, float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
-                              X24=xn_x24 is not None, num_warps=8 if block >= 4096 else 4)
+                              X24=xn_x24 is not None, num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
     return logits_out
 
 
@@ -749,8 +753,9 @@ def argmax_scratch(vocab: int, device: torch.device | str,
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr):
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: (max, first index of it) of x[p*CHUNK : (p+1)*CHUNK]. x: [V] f32 -> val [P] f32, idx [P] int32."""
+    begin(PDL)
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + offs, mask=offs < V, other=-float("inf"))
@@ -762,9 +767,10 @@ def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr):
 
 @triton.jit
 def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P: tl.constexpr,
-                          CHAIN: tl.constexpr):
+                          CHAIN: tl.constexpr, PDL: tl.constexpr = False):
     """One program: the first chunk holding the global max gives the index. val, idx: [P] -> out [1] int64;
     with CHAIN also tok = out, pos += 1, len += 1 ([1] int64 each: the next decode step's inputs)."""
+    begin(PDL)
     p = tl.arange(0, BLOCK_P)
     v = tl.load(val_ptr + p, mask=p < P, other=-float("inf"))
     m = tl.max(v, 0)
@@ -790,7 +796,7 @@ def argmax(logits: torch.Tensor, out_id: torch.Tensor, scratch: tuple[torch.Tens
     vals, idx = scratch
     p = vals.shape[0]
     tok, pos, kv_len = chain if chain is not None else (out_id, out_id, out_id)
-    _argmax_chunk_kernel[(p,)](logits, vals, idx, v, CHUNK=chunk, num_warps=8)
+    _argmax_chunk_kernel[(p,)](logits, vals, idx, v, CHUNK=chunk, num_warps=8, **launch_args(logits.device))
     _argmax_reduce_kernel[(1,)](vals, idx, out_id, tok, pos, kv_len, p, BLOCK_P=_np2(p), CHAIN=chain is not None,
-                                num_warps=4)
+                                num_warps=4, **launch_args(logits.device))
     return out_id

@@ -11,13 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels.triton.pdl import begin, launch_args
 from moerun.kernels.triton.qgemm import BK, deq_tile
 from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, _typed
 
 
 @triton.jit
-def _embed_kernel(w_ptr, ids_ptr, out_ptr, scale, K, stride_w, stride_out, QTYPE: tl.constexpr, BKC: tl.constexpr):
+def _embed_kernel(w_ptr, ids_ptr, out_ptr, scale, K, stride_w, stride_out, QTYPE: tl.constexpr, BKC: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Grid (cdiv(K, BKC), n). w: [V, row] bytes (typed for F32/F16/BF16), ids: [n] int, out: [n, K] f32."""
+    begin(PDL)
     kb = tl.program_id(0) * BKC
     i = tl.program_id(1)
     row = tl.load(ids_ptr + i).to(tl.int64)
@@ -43,5 +46,5 @@ def embed(w: torch.Tensor, qtype: int, ids: torch.Tensor, out: torch.Tensor, sca
         raise ValueError(f"embedding rows of {w.shape[-1]} bytes do not hold {k} weights of GGML type {qtype}")
     wt = _typed(w, qtype)
     _embed_kernel[(triton.cdiv(k, BK), n)](wt, ids, out, float(scale), k, wt.stride(0), out.stride(0),
-                                           QTYPE=qtype, BKC=BK, num_warps=2)
+                                           QTYPE=qtype, BKC=BK, num_warps=2, **launch_args(out.device))
     return out

@@ -41,6 +41,7 @@ from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import X24, Route
 from moerun.kernels.triton.outputs import store_x24
+from moerun.kernels.triton.pdl import begin, launch_args
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, EXPERTS_AHEAD, chosen_experts, zero_after_barrier
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
@@ -438,9 +439,10 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
 @triton.jit
 def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
                 U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-                HAS_RES: tl.constexpr, EMU: tl.constexpr):
+                HAS_RES: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
     read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]."""
+    begin(PDL)
     _imv_rows(tl.program_id(0), w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT, U,
               N_BLOCKS, R, NB, T, HAS_RES, EMU)
 
@@ -449,10 +451,11 @@ def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_pt
 def _imv2_kernel(w_ptr, w16_ptr, w8_ptr, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out2_ptr,
                  M, M2, P1, QT: tl.constexpr, U: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                  QT2: tl.constexpr, U2: tl.constexpr, R2: tl.constexpr, NB2: tl.constexpr, N_BLOCKS: tl.constexpr,
-                 T: tl.constexpr, EMU: tl.constexpr):
+                 T: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (P1 + cdiv(M2, R2),): two matrices of different layouts over the same x24 of [K] in one launch (a
     layer's q/k and v runs of two types): programs below P1 = cdiv(M, R) do `_imv_kernel`'s work for w [M, ...] ->
     out [M], the rest for v [M2, ...] -> out2 [M2] (no residual)."""
+    begin(PDL)
     pid = tl.program_id(0)
     if pid < P1:
         _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out_ptr, M, QT, U,
@@ -482,12 +485,13 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
                      hsum_ptr, cnt_ptr, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr,
                      NB: tl.constexpr, T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr,
                      ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr):
+                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
     `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
     H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
     counters cnt [n_sel F / 32] int32 zeros, left zero)."""
+    begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
@@ -579,11 +583,13 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
 @triton.jit
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
                   stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr):
+                  R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
     weight folded into the scales, experts summed in order. EU > 1: the experts' loads EU at a time ahead of their
     arithmetic (`_idown_experts`, EU divides N_SEL)."""
+    begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
     accs, accms = _izeros(QT, R, NB, T)
@@ -696,7 +702,7 @@ def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor
     _imv_kernel[(triton.cdiv(m, t.rows),)](
         *views, *_xviews(x, k), out if residual is None else residual, out, m,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
     return out
 
 
@@ -715,7 +721,7 @@ def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor,
     _imv2_kernel[(p1 + triton.cdiv(m2, t2.rows),)](
         *views, *views2, *_xviews(x, k), out, out2, m, m2, p1, QT=qt, U=units, R=t.rows, NB=t.nb, QT2=qt2,
         U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, num_warps=t.num_warps,
-        num_stages=max(t.num_stages, t2.num_stages))
+        num_stages=max(t.num_stages, t2.num_stages), **launch_args(w.device))
     return out, out2
 
 
@@ -746,7 +752,8 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
-        **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages)
+        **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages,
+        **launch_args(w_gate.device))
     return out
 
 
@@ -764,5 +771,5 @@ def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.T
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
         QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from moerun.kernels.gpu import sm_count
 from moerun.kernels.triton.outputs import perm_slot
+from moerun.kernels.triton.pdl import begin, launch_args
 from moerun.kernels.triton.qblocks import float_words, row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
@@ -137,8 +138,10 @@ def _check(qtype: int) -> None:
 def _qmatvec_kernel(
     w_ptr, x_ptr, res_ptr, out_ptr, M, stride_m,
     N_BLOCKS: tl.constexpr, QTYPE: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(M, BM),). w: [M, row] bytes (or typed floats), x: [K] f32, res/out: [M] f32."""
+    begin(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)  # [BM]
     rmask = rows < M
     wrow = w_ptr + rows.to(tl.int64) * stride_m
@@ -163,9 +166,11 @@ def _moe_gate_up_kernel(
     wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um, stride_out,
     NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
     BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]
     (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`)."""
+    begin(PDL)
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < F
@@ -236,6 +241,7 @@ def _moe_down_kernel(
     w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
     N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
     EU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BM),). w: [E, N, row] bytes, h: [n_sel, F] f32, ids/wts: [n_sel], res/out: [N] f32.
 
@@ -243,6 +249,7 @@ def _moe_down_kernel(
     BF16 only): the weights and h of EU experts (every K-step unrolled) are loaded before any of their arithmetic (a
     CTA barrier, then a zero read ORed into the weights), the same sums in the same order.
     """
+    begin(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     r64 = rows.to(tl.int64) * stride_m
@@ -296,8 +303,7 @@ def qmatvec(
     _qmatvec_kernel[(triton.cdiv(m, t.block_m),)](
         wt, x, out if residual is None else residual, out, m, wt.stride(0),
         N_BLOCKS=k // GEOMETRY[qtype][0], QTYPE=qtype, HAS_RES=residual is not None, BM=t.block_m, NB=t.nb,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
     return out
 
 
@@ -332,8 +338,7 @@ def moe_gate_up(
         wg, wu, x, ids, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
         ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
 
 
@@ -364,6 +369,5 @@ def moe_down(
     _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
         wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
         N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb, EU=eu,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
     return out
