@@ -26,9 +26,12 @@ FEATURES: dict[str, str] = {
                  "step's k / v taken from registers (decode_ops.attention_decode early=True)",
     "pdl": "programmatic dependent launch: each decode kernel lets the next launch, then waits for the one before "
            "(kernels/triton/pdl.py; compute capability 9.0+, elsewhere plain launches)",
+    "pdlpre": "pdl, and the integer matvecs (q/k/v, o, output) load their first weights before waiting for the "
+              "kernel before (imatvec.qmatvec_i pre=True)",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnearly": {"attn_early": True}, "pdl": {"pdl": True}}
-INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnearly": {"attn_early": True}, "pdl": {"pdl": True},
+                                           "pdlpre": {"pdl": True, "pdl_pre": True}}
+INT_FEATURES: tuple[str, ...] = ("pdlpre",)  # features of the integer-dot kernels: only with base "triton"
 
 
 def features_text() -> str:

@@ -42,14 +42,15 @@ class TritonOps:
     attn_early: each attention split program loads its first K / V tile with its other first loads
     (`decode_ops.attention_decode` early), the splits sized for its registers (`ATTN_EARLY_PROGRAMS_PER_SM`).
     pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
-    each lets the next one launch, then waits for the one before, so launches overlap the kernel before them."""
+    each lets the next one launch, then waits for the one before, so launches overlap the kernel before them.
+    pdl_pre: with pdl, the integer matvecs load their first K-step's weights before that wait (`qmatvec_i` pre)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 attn_early: bool = False, pdl: bool = False) -> None:
+                 attn_early: bool = False, pdl: bool = False, pdl_pre: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -57,6 +58,7 @@ class TritonOps:
         self.down_ahead = down_ahead
         self.attn_early = attn_early
         self.pdl = pdl
+        self.pdl_pre = pdl_pre
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -128,7 +130,7 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
         if x24 is not None and self.ints_take(qtype, "mv", w, x.shape[-1]):
-            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, pre=self.pdl_pre)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -143,7 +145,7 @@ class TritonOps:
         if (self.qkv_fused and x24 is not None and len(prods) == 2 and prods[0][1] != prods[1][1]
                 and all(self.ints_take(qt, "mv", w, k) for w, qt, _ in prods)):
             (w, qt, out), (w2, qt2, out2) = prods
-            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24)
+            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24, pre=self.pdl_pre)
             return
         for w, qt, out in prods:
             self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)

@@ -198,6 +198,10 @@ def test_make_ops_names() -> None:
     e = make_ops("triton+attnearly")
     assert e.attn_early and not t.attn_early
     assert make_ops("triton+pdl").pdl and not t.pdl and not e.pdl  # programmatic dependent launch (test_pdl.py)
+    p = make_ops("triton+pdlpre")
+    assert p.pdl and p.pdl_pre and not make_ops("triton+pdl").pdl_pre
+    with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
+        make_ops("triton-words+pdlpre")
     assert e._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
                                                                          programs_per_sm=dk.ATTN_EARLY_PROGRAMS_PER_SM)
     assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device))

@@ -35,34 +35,48 @@ def test_launch_args() -> None:
 
 
 _COMPILE = """
-import json, sys
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moerun.kernels.triton import decode_ops as dk
-fn = dk._rms_norm_kernel
+from moerun.kernels.triton import decode_ops as dk, imatvec as ik
+pdl, pre = sys.argv[1] == "1", sys.argv[2] == "1"
+if sys.argv[3] == "rms_norm":
+    fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
+    types = {"eps": "fp32", "N": "i32"}
+else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
+    fn = ik._imv_kernel
+    consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl, PRE=pre)
+    types = {"w_ptr": "*i32", "w16_ptr": "*i16", "w8_ptr": "*i8", "xh_ptr": "*i64", "xl_ptr": "*i32", "M": "i32"}
 params = list(fn.arg_names)
-consts = {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": sys.argv[1] == "1"}
-sig = {p: "constexpr" if p in consts else "fp32" if p == "eps" else "i32" if p == "N" else "*fp32" for p in params}
+sig = {p: "constexpr" if p in consts else types.get(p, "*fp32") for p in params}
 src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(p),): v for p, v in consts.items()})
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
 """
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_wait_before_the_first_access(on: bool) -> None:
-    """`_rms_norm_kernel` (every PDL kernel starts with `pdl.begin`) compiled for sm_90 in a process without the
-    interpreter: with PDL its PTX lets the next kernel launch and waits before its first global load or store;
-    without, neither instruction is there."""
+def _ptx(kernel: str, pdl: bool, pre: bool = False) -> str:
+    """The PTX of `kernel` (rms_norm or imv) for sm_90, compiled in a process without the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, "1" if on else "0"], capture_output=True, text=True, env=env,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(pdl)), str(int(pre)), kernel], capture_output=True,
+                       text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    ptx = r.stdout
+    return r.stdout
+
+
+@pytest.mark.parametrize("kernel,pre", [("rms_norm", False), ("imv", False), ("imv", True)])
+@pytest.mark.parametrize("on", [False, True])
+def test_wait_before_the_first_access(kernel: str, pre: bool, on: bool) -> None:
+    """A PDL kernel (each starts with `pdl.begin`, or `trigger` / `wait`) compiled for sm_90: with PDL its PTX lets
+    the next kernel launch, then waits before its first global load or store; with `pre` (the matvec's weights
+    first, `imatvec.qmatvec_i`) global loads come before the wait, and no store; without PDL neither instruction."""
+    ptx = _ptx(kernel, on, pre)
     first = re.search(r"\b(ld|st)\.global", ptx)
-    assert first is not None
-    if on:
-        trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-        assert 0 <= trig < wait < first.start()
-    else:
+    store = re.search(r"\bst\.global", ptx)
+    assert first is not None and store is not None
+    if not on:
         assert "griddepcontrol" not in ptx
+        return
+    trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    assert 0 <= trig < wait < store.start()
+    assert (first.start() < wait) == pre

@@ -48,6 +48,20 @@ def launch_args(device: torch.device) -> dict[str, Any]:
 @triton.jit
 def begin(PDL: tl.constexpr):
     """A PDL kernel's first statement: let the next kernel launch, then wait for the one before to finish."""
+    trigger(PDL)
+    wait(PDL)
+
+
+@triton.jit
+def trigger(PDL: tl.constexpr):
+    """Let the next kernel launch (its programs then wait in their `wait`)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible: before the first access to anything it
+    or a kernel before it writes (loads of weights, which nothing in the step writes, may come before)."""
+    if PDL:
         gdc_wait()
