@@ -384,13 +384,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         lk = _head_loads(kr_ptr + kvh * D, kr_ptr, wk, cs, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FK)
         q = _head_math(lq, eps, H * D, D, R, QK_NORM, NEOX, BLOCK_D)
         kn = _head_math(lk, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D)
+        kc = _cast(k_ptr, kn, K_BF16)  # this step's cache rows (EARLY: also the tiles' row len-1)
+        vc = _cast(v_ptr, vn, V_BF16)
         if (lo <= pos) & (pos < hi):
-            _cast_store(k_ptr + pos64 * k_sn + kvh * k_sh + d, kn, d < D, K_BF16)
-            _cast_store(v_ptr + pos64 * v_sn + kvh * v_sh + dv, vn, dv < DV, V_BF16)
-        if EARLY:  # the tiles' row len-1, as the store above leaves it
-            kc = _cast(k_ptr, kn, K_BF16)
-            vc = _cast(v_ptr, vn, V_BF16)
-        else:
+            tl.store(k_ptr + pos64 * k_sn + kvh * k_sh + d, kc, mask=d < D)
+            tl.store(v_ptr + pos64 * v_sn + kvh * v_sh + dv, vc, mask=dv < DV)
+        if not EARLY:
             tl.debug_barrier()  # this program's loop reads position len-1 from the caches
         q = q * qk_scale
     else:

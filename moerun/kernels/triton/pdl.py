@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moerun.kernels.gpu import gpu
+
 MIN_CAPABILITY = (9, 0)  # griddepcontrol: sm_90 and newer
 _on = [False]
 
@@ -41,7 +43,7 @@ def launches(on: bool) -> Iterator[None]:
 def launch_args(device: torch.device) -> dict[str, Any]:
     """The launch arguments of a PDL-capable kernel on `device`: its PDL constexpr, and Triton's launch_pdl where
     PDL is on (`launches`) and the device is a CUDA GPU of compute capability 9.0 or newer."""
-    on = _on[0] and device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    on = _on[0] and device.type == "cuda" and gpu(device).capability >= MIN_CAPABILITY  # cached per device
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
