@@ -30,9 +30,11 @@ KERNELS = {"mv": "_wmv_kernel", "gate_up": "_wgate_up_kernel", "gate_up_route": 
            "down": "_wdown_kernel", "mv6": "_wmvx_kernel", "down6": "_wdownx_kernel", "mv8": "_wmvx_kernel",
            "down8": "_wdownx_kernel", "gate_up8": "_wgate_upx_kernel", "mv6b": "_wmvx_kernel",
            "down6b": "_wdownx_kernel"}  # mv6 / down6: Q6_K; *6b: Q6_K on `bytes_q6k`'s copy; *8: Q8_0;
-# gate_up_route: gate/up choosing its experts from the router's logits (wk.Route)
+# gate_up_route: gate/up choosing its experts from the router's logits (wk.Route); igate_up_route: the integer gate/up
+# as the decode step launches it (routing from the logits, h quantized for down)
 IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "imv8": "_imv_kernel", "igate_up": "_igate_up_kernel",
-            "igate_up6": "_igate_up_kernel", "igate_up8": "_igate_up_kernel", "idown": "_idown_kernel",
+            "igate_up6": "_igate_up_kernel", "igate_up8": "_igate_up_kernel",
+            "igate_up_route": "_igate_up_kernel", "idown": "_idown_kernel",
             "idown6": "_idown_kernel", "idown8": "_idown_kernel"}  # imatvec.py (Q4_K; *6 / *8: Q6_K / Q8_0 copies)
 ITYPES = {"6": 14, "8": 8}
 WORDS = ik.WORDS_PER_THREAD
@@ -76,6 +78,12 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
 
             if kind.startswith("imv"):
                 ik.qmatvec_i(w(N, N), ik.X24.empty((N,), cpu), torch.empty(N), qtype=qt, tile=tile, words=WORDS)
+            elif kind == "igate_up_route":  # as the decode step: routing from the logits, h quantized for down
+                wg = w(E, F, N)
+                ik.moe_gate_up_i(wg, wg, ik.X24.empty((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
+                                 words=WORDS, route=wk.Route(torch.zeros(E), torch.empty(TOPK), False),
+                                 h_out=ik.X24.empty((TOPK, F), cpu),
+                                 counters=torch.zeros(TOPK * F // 32, dtype=torch.int32))
             elif kind.startswith("igate_up"):
                 wg = w(E, F, N)
                 ik.moe_gate_up_i(wg, wg, ik.X24.empty((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
