@@ -21,17 +21,9 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "attnearly": "each attention split program loads its first K / V tile with q / k / v and the RoPE row, this "
-                 "step's k / v taken from registers (decode_ops.attention_decode early=True)",
-    "pdl": "programmatic dependent launch: each decode kernel lets the next launch, then waits for the one before "
-           "(kernels/triton/pdl.py; compute capability 9.0+, elsewhere plain launches)",
-    "pdlpre": "pdl, and the integer matvecs (q/k/v, o, output) load their first weights before waiting for the "
-              "kernel before (imatvec.qmatvec_i pre=True)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnearly": {"attn_early": True}, "pdl": {"pdl": True},
-                                           "pdlpre": {"pdl": True, "pdl_pre": True}}
-INT_FEATURES: tuple[str, ...] = ("pdlpre",)  # features of the integer-dot kernels: only with base "triton"
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 
 def features_text() -> str:

@@ -39,26 +39,22 @@ class TritonOps:
     qkv_fused: `qmatvecs` runs a layer's two q/k/v runs of different types (integer kernels) as one launch.
     down_ahead: the down kernels (integer, and the byte kernel's F32 / F16 / BF16) issue this many experts' loads
     before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
-    attn_early: each attention split program loads its first K / V tile with its other first loads
-    (`decode_ops.attention_decode` early), the splits sized for its registers (`ATTN_EARLY_PROGRAMS_PER_SM`).
     pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
-    each lets the next one launch, then waits for the one before, so launches overlap the kernel before them.
-    pdl_pre: with pdl, the integer matvecs load their first K-step's weights before that wait (`qmatvec_i` pre)."""
+    each lets the next one launch, then waits for the one before, so launches overlap the kernel before them
+    (the integer matvecs load their first K-step's weights before that wait)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 attn_early: bool = False, pdl: bool = False, pdl_pre: bool = False) -> None:
+                 pdl: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
-        self.attn_early = attn_early
         self.pdl = pdl
-        self.pdl_pre = pdl_pre
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -130,7 +126,7 @@ class TritonOps:
                 residual: torch.Tensor | None = None, x_perm: torch.Tensor | None = None,
                 x24: ik.X24 | None = None) -> torch.Tensor:
         if x24 is not None and self.ints_take(qtype, "mv", w, x.shape[-1]):
-            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype, pre=self.pdl_pre)
+            return ik.qmatvec_i(w, x24, out, residual, qtype=qtype)
         if qtype not in qk.SUPPORTED:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
@@ -145,7 +141,7 @@ class TritonOps:
         if (self.qkv_fused and x24 is not None and len(prods) == 2 and prods[0][1] != prods[1][1]
                 and all(self.ints_take(qt, "mv", w, k) for w, qt, _ in prods)):
             (w, qt, out), (w2, qt2, out2) = prods
-            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24, pre=self.pdl_pre)
+            ik.qmatvec_i2(w, qt, out, w2, qt2, out2, x24)
             return
         for w, qt, out in prods:
             self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)
@@ -244,8 +240,7 @@ class TritonOps:
         key = (k_cache.shape[0], H, Dv, out.device)
         scratch = self._attn_scratch.get(key)
         if scratch is None:
-            pps = dk.ATTN_EARLY_PROGRAMS_PER_SM if self.attn_early else 4  # one wave of split programs
-            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device), programs_per_sm=pps)
+            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device))  # one wave of split programs
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
         return scratch
 
@@ -265,8 +260,7 @@ class TritonOps:
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
-                            early=self.attn_early)
+                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out))
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -280,7 +274,7 @@ class TritonOps:
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out), early=self.attn_early)
+                            out_x24=out_x24, counters=self._attn_counters(out))
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -181,7 +181,8 @@ def test_make_ops_names() -> None:
     assert parse_ops("triton") == ("triton", ()) and parse_ops("triton-bytes") == ("triton-bytes", ())
     with pytest.raises(MoerunError, match=r"unknown decode ops feature 'fast' in 'triton\+fast'; features: "):
         make_ops("triton+fast")
-    for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2"):  # measured and deleted, or the default
+    for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre"):
+        # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
     with pytest.raises(MoerunError, match="the base 'cuda' is not one of triton, .*; features after '\\+': "):
@@ -190,21 +191,15 @@ def test_make_ops_names() -> None:
     t = make_ops("triton")
     assert t.qkv_fused and t.attn_fused and t.int_kinds == ik.INT_KINDS and 8 in ik.INT_KINDS
     assert t.down_ahead == make_ops("triton-bytes").down_ahead == 2  # NOTES.md 7y (down4, mvahead, dnorm: deleted)
-    # attnearly: early attention programs, the splits sized for their registers (a scratch of fewer splits)
+    # programmatic dependent launch in every base (NOTES.md 8a; test_pdl.py), the attention's splits sized for its
+    # registers (3 programs per SM)
     from moerun.kernels.gpu import sm_count
     from moerun.kernels.triton import decode_ops as dk
 
+    assert t.pdl and make_ops("triton-bytes").pdl
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
-    e = make_ops("triton+attnearly")
-    assert e.attn_early and not t.attn_early
-    assert make_ops("triton+pdl").pdl and not t.pdl and not e.pdl  # programmatic dependent launch (test_pdl.py)
-    p = make_ops("triton+pdlpre")
-    assert p.pdl and p.pdl_pre and not make_ops("triton+pdl").pdl_pre
-    with pytest.raises(MoerunError, match="needs the integer-dot kernels"):
-        make_ops("triton-words+pdlpre")
-    assert e._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
-                                                                         programs_per_sm=dk.ATTN_EARLY_PROGRAMS_PER_SM)
-    assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device))
+    assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
+                                                                         programs_per_sm=3)
 
 
 def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -175,16 +175,18 @@ def test_attention_decode_rope(gen: torch.Generator, h: int, hkv: int, d: int, d
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rope,fused", [(True, True), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("fused", [True, False], ids=str)
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
     (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
-    (2, 2, 64, 64, 5, 33, 0)])
-def test_attention_decode_early(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int, kv_len: int,
-                                window: int, rope: bool, fused: bool, cache_dtype: torch.dtype) -> None:
-    """early=True (each split's first K / V tile loaded with its first loads; with rope this step's row from
-    registers, the cache's row poisoned with NaN until the launch stores it): the same output (and quantized output),
-    partials where they are written, and cache rows as early=False, bit for bit; GQA, windows, one and several live
-    splits (min_split 16), tiles of 16 positions."""
+    (2, 2, 64, 64, 5, 33, 0), (2, 1, 32, 32, 2, 80, 0)])
+def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
+                                           kv_len: int, window: int, fused: bool, cache_dtype: torch.dtype) -> None:
+    """The split programs load their first K / V tile before this step's row is stored: where that tile holds
+    position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop
+    reads it back after a barrier (kv_len 40 in one split, 80 in two of 48: its third tile). The cache's row is
+    poisoned with NaN until the launch stores it; against qk_norm_rope_store then attention_decode: the same cache
+    rows bit for bit, the same output and quantized output (f16 / bf16 / f32 caches, GQA, a window, one and several
+    live splits (min_split 16), tiles of 16 positions, the fused reduce and the reduce launch)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q = randn(gen, h * d, scale=2.0)
     k, v = randn(gen, hkv * d), randn(gen, hkv * dv)
@@ -192,28 +194,23 @@ def test_attention_decode_early(gen: torch.Generator, h: int, hkv: int, d: int, 
     table = ops.rope_table(n_ctx, d, 1000.0, 1.0, None, device=DEV)
     k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
     v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
-    if rope:
-        k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
+    k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
     kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
-    x24 = dv % 32 == 0 and (h * dv) % 32 == 0
-    results = []
-    for early in (False, True):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
-        out, out24 = nan(h, dv), (poisoned_x24(h * dv) if x24 else None)
-        kwargs = dict(block_n=16, min_split=16, out_x24=out24, early=early,
-                      counters=torch.zeros(h, dtype=torch.int32, device=DEV) if fused else None,
-                      rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox") if rope else None)
-        ops.attention_decode(q.view(h, d), kc, vc, kv_len_t, scale, window, out, scratch, **kwargs)
-        assert not out.isnan().any()
-        results.append((out, out24, kc, vc, scratch if not fused else ()))
-    (out0, x0, k0, v0, s0), (out1, x1, k1, v1, s1) = results
-    assert torch.equal(out1, out0)
-    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+    x24 = dv % 32 == 0
+    k2, v2, q_rot, want = k_cache.clone(), v_cache.clone(), nan(h, d), nan(h, dv)
+    ops.qk_norm_rope_store(q, k, v, qw, kw, table, kv_len_t - 1, k2, v2, q_rot, eps, "full", "neox")
+    ops.attention_decode(q_rot, k2, v2, kv_len_t, scale, window, want, ops.attention_scratch(h, dv, n_splits, DEV),
+                         block_n=16, min_split=16)
+    scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
+    out, out24 = nan(h, dv), (poisoned_x24(h * dv) if x24 else None)
+    ops.attention_decode(q.view(h, d), k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16,
+                         min_split=16, out_x24=out24,
+                         counters=torch.zeros(h, dtype=torch.int32, device=DEV) if fused else None,
+                         rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox"))
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    close(out, want)
     if x24:
-        assert all(torch.equal(a, b) for a, b in zip(x1, x0, strict=True))
-    for a, b in zip(s1, s0, strict=True):  # the partials (reduce launch): the same, NaN where no split wrote
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        check_x24(out24, out.reshape(-1))
 
 
 def _attention_into(gen: torch.Generator, **outputs) -> torch.Tensor:
@@ -267,8 +264,10 @@ def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d
         ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, got, scratch, block_n=16, out_x24=got24,
                              counters=cnt, min_split=min_split)
         assert torch.equal(got, want)
-        if x24:
+        if x24 and DEV.type == "cpu":
             assert all(torch.equal(a, b) for a, b in zip(got24, want24, strict=True))
+        elif x24:  # a head's only split quantizes in the split kernel: its division and sums may round differently
+            check_x24(got24, got.reshape(-1))
         assert int(cnt.abs().sum()) == 0
     with pytest.raises(ValueError, match="counters must be int32 zeros"):
         ops.attention_decode(q, k_cache, v_cache, kv_len_t, d ** -0.5, 0, got, scratch, block_n=16,
@@ -276,11 +275,11 @@ def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d
 
 
 def test_attention_splits_policy() -> None:
-    assert ops.attention_splits(4096, 16, 132) == 33  # 528 programs of 128 positions
-    assert ops.attention_splits(4096, 16, 132, programs_per_sm=ops.ATTN_EARLY_PROGRAMS_PER_SM) == 25  # early: 400
+    assert ops.attention_splits(4096, 16, 132) == 25  # 400 programs of 192 positions: 3 per SM (159 registers)
+    assert ops.attention_splits(4096, 16, 132, programs_per_sm=4) == 33  # 528 programs of 128 positions
     assert ops.attention_splits(96, 16, 132, block_n=64) == 2  # never more splits than tiles
     assert ops.attention_splits(1, 64, 132) == 1
-    assert ops.attention_splits(131072, 32, 132) == 17
+    assert ops.attention_splits(131072, 32, 132) == 13
 
 
 # ---------------------------------------------------------------------------------------------------------------------

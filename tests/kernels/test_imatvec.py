@@ -270,28 +270,6 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
             check_bound(out, one.cpu().double(), bound, seed, f"experts_ahead={ahead} against one", tol=1e-6)
 
 
-@pytest.mark.parametrize("qtype,k,tile", [(Q4_K, 512, None), (Q4_K, 768, wk.WTile(2, 1)), (Q6_K, 512, None),
-                                         (Q8_0, 768, wk.WTile(1, 1))], ids=str)
-def test_qmatvec_i_pre(qtype, k, tile, device, rng) -> None:
-    """pre=True (the first K-step's weights loaded before the PDL wait, ops feature pdlpre; the wait itself only
-    on a GPU with PDL on): bit for bit the default's output, alone (one and several K-steps, a residual) and in
-    `qmatvec_i2`, odd rows, poisoned outputs."""
-    gen, _ = rng
-    w, _ = _iweights(qtype, (37,), k, gen, device)
-    xq, _ = _x24(vec(gen, k), device)
-    r = vec(gen, 37).to(device)
-    want = ik.qmatvec_i(w, xq, torch.full((37,), float("nan"), device=device), r, qtype=qtype, tile=tile)
-    out = torch.full((37,), float("nan"), device=device)
-    ik.qmatvec_i(w, xq, out, r, qtype=qtype, tile=tile, pre=True)
-    assert torch.equal(out, want)
-    wq, _ = _iweights(Q4_K, (21,), k, gen, device)
-    want2 = ik.qmatvec_i(wq, xq, torch.empty(21, device=device))
-    want = ik.qmatvec_i(w, xq, torch.empty(37, device=device), qtype=qtype)
-    outs = torch.full((21,), float("nan"), device=device), torch.full((37,), float("nan"), device=device)
-    ik.qmatvec_i2(wq, Q4_K, outs[0], w, qtype, outs[1], xq, pre=True)
-    assert torch.equal(outs[0], want2) and torch.equal(outs[1], want)
-
-
 def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""

@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (moerun/kernels/triton/pdl.py, ops feature `pdl`): when it is on, and that a PDL
-kernel waits for the kernel before it ahead of its first memory access (compiled for sm_90 without a GPU)."""
+"""Programmatic dependent launch (moerun/kernels/triton/pdl.py, on in the decode step on sm_90+): when it is on, and
+that a PDL kernel waits for the kernel before it ahead of its first access to anything the step writes (compiled
+for sm_90 without a GPU)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moerun.kernels.triton import decode_ops as dk, imatvec as ik
-pdl, pre = sys.argv[1] == "1", sys.argv[2] == "1"
-if sys.argv[3] == "rms_norm":
+pdl = sys.argv[1] == "1"
+if sys.argv[2] == "rms_norm":
     fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
     types = {"eps": "fp32", "N": "i32"}
 else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
     fn = ik._imv_kernel
-    consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl, PRE=pre)
+    consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl)
     types = {"w_ptr": "*i32", "w16_ptr": "*i16", "w8_ptr": "*i8", "xh_ptr": "*i64", "xl_ptr": "*i32", "M": "i32"}
 params = list(fn.arg_names)
 sig = {p: "constexpr" if p in consts else types.get(p, "*fp32") for p in params}
@@ -55,22 +56,24 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
 """
 
 
-def _ptx(kernel: str, pdl: bool, pre: bool = False) -> str:
+def _ptx(kernel: str, pdl: bool) -> str:
     """The PTX of `kernel` (rms_norm or imv) for sm_90, compiled in a process without the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(pdl)), str(int(pre)), kernel], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(pdl)), kernel], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
 
-@pytest.mark.parametrize("kernel,pre", [("rms_norm", False), ("imv", False), ("imv", True)])
+@pytest.mark.parametrize("kernel", ["rms_norm", "imv"])
 @pytest.mark.parametrize("on", [False, True])
-def test_wait_before_the_first_access(kernel: str, pre: bool, on: bool) -> None:
+def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     """A PDL kernel (each starts with `pdl.begin`, or `trigger` / `wait`) compiled for sm_90: with PDL its PTX lets
-    the next kernel launch, then waits before its first global load or store; with `pre` (the matvec's weights
-    first, `imatvec.qmatvec_i`) global loads come before the wait, and no store; without PDL neither instruction."""
-    ptx = _ptx(kernel, on, pre)
+    the next kernel launch, then waits before its first global load or store; the integer matvec (`_imv_kernel`)
+    loads its first weights before the wait (nothing in the step writes them), and stores nothing before it;
+    without PDL neither instruction."""
+    pre = kernel == "imv"
+    ptx = _ptx(kernel, on)
     first = re.search(r"\b(ld|st)\.global", ptx)
     store = re.search(r"\bst\.global", ptx)
     assert first is not None and store is not None

@@ -256,19 +256,19 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 ATTN_BLOCK_N = 64  # KV positions per loaded tile
 ATTN_MIN_SPLIT = 128  # the fewest KV positions a split takes while the live length leaves splits idle
 NO_WINDOW = 1 << 30
-# programs per SM the split policy aims at with `attention_decode(early=True)`: its 159 registers (sm_90, OLMoE's
-# shape, NOTES.md 7z) leave room for 3 programs of 4 warps per SM where the default's 96 leave 5
-ATTN_EARLY_PROGRAMS_PER_SM = 3
+# programs per SM the split policy aims at: the split kernel's 159 registers (sm_90, OLMoE's shape, NOTES.md 7z) leave
+# room for 3 programs of 4 warps per SM (4 per SM, two waves at long contexts, measured 5% slower at depth 4096: 8a)
+ATTN_PROGRAMS_PER_SM = 3
 
 
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
-                     programs_per_sm: int = 4) -> int:
+                     programs_per_sm: int = ATTN_PROGRAMS_PER_SM) -> int:
     """Split policy: KV splits per head, fixed for a context size (so a captured graph's grid never changes).
 
     Aim for ~programs_per_sm x sm_count programs in all (H x splits), but never more splits than there are
     block_n-position tiles in the context. How many of them work is decided on the device from the live KV length
     (`_live_splits`: one per ATTN_MIN_SPLIT positions, at most S): a short context leaves the rest idle at once.
-    OLMoE on an H200 (H=16, 132 SMs, n_ctx 4096): 33 splits, 528 programs, 128 positions (64 KB of f16 KV) each.
+    OLMoE on an H200 (H=16, 132 SMs, n_ctx 4096): 25 splits, 400 programs, 192 positions (96 KB of f16 KV) each.
     """
     tiles = max(1, -(-n_ctx // block_n))
     return max(1, min(tiles, -(-programs_per_sm * sm_count // n_head)))
@@ -329,7 +329,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -339,16 +339,17 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     ROPE: q is the raw projection [H*D] and this launch first does `_qk_norm_rope_store_kernel`'s work at
     position len-1 (the same arithmetic): each program norms and rotates its q head and its kv head's raw k
     [Hkv*D] (kr), and the program whose chunk holds len-1 stores that k and the raw v head (vr) [Hkv*DV] in the
-    caches there before its loop reads them (a CTA barrier; a GQA group's programs store the same values).
+    caches there (a GQA group's programs store the same values), and where its loop reads that row back, a CTA
+    barrier first.
 
     FUSED: the last of head h's programs to finish (an acq_rel counter cnt [H] after a CTA barrier; it resets the
     counter) also combines the head's partials (`_attn_combine`, the reduce launch's work and outputs); where the
     head has one live split (a live length up to MIN_SPLIT) that program writes the output at once, no partials.
 
-    EARLY: the chunk's first K / V tile is loaded with the prologue's loads, one dependent round trip after the
-    length instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at
-    len-1 in the tiles is this step's k / v from registers, cast to the cache's dtype (what the store and a load
-    back give), and no barrier waits for the store. The same values in the same order as without.
+    The chunk's first K / V tile is loaded with the prologue's loads, one dependent round trip after the length
+    instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at len-1 in
+    that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
+    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a).
     """
     begin(PDL)
     sp = tl.program_id(1)
@@ -365,8 +366,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     dv = tl.arange(0, BLOCK_DV)
     k_base = k_ptr + kvh * k_sh
     v_base = v_ptr + kvh * v_sh
-    if EARLY:
-        kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+    kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
     if ROPE:
         pos = kv_len - 1
         pos64 = pos.to(tl.int64)
@@ -384,34 +384,33 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         lk = _head_loads(kr_ptr + kvh * D, kr_ptr, wk, cs, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D, BLOCK_FK)
         q = _head_math(lq, eps, H * D, D, R, QK_NORM, NEOX, BLOCK_D)
         kn = _head_math(lk, eps, HKV * D, D, R, QK_NORM, NEOX, BLOCK_D)
-        kc = _cast(k_ptr, kn, K_BF16)  # this step's cache rows (EARLY: also the tiles' row len-1)
+        kc = _cast(k_ptr, kn, K_BF16)  # this step's cache rows (also the first tile's row len-1 where it holds it)
         vc = _cast(v_ptr, vn, V_BF16)
         if (lo <= pos) & (pos < hi):
             tl.store(k_ptr + pos64 * k_sn + kvh * k_sh + d, kc, mask=d < D)
             tl.store(v_ptr + pos64 * v_sn + kvh * v_sh + dv, vc, mask=dv < DV)
-        if not EARLY:
-            tl.debug_barrier()  # this program's loop reads position len-1 from the caches
+            if pos >= lo + BLOCK_N:  # the loop below reads the row back (the first tile takes it from registers)
+                tl.debug_barrier()
         q = q * qk_scale
     else:
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    n0 = lo
-    if EARLY:  # the first tile, loaded above (an empty chunk: what the loop leaves, m -inf, l 0, acc 0)
-        n = lo + tl.arange(0, BLOCK_N)
-        kt = kt.to(tl.float32)
-        vt = vt.to(tl.float32)
-        if ROPE:
-            at = n == pos
-            kt = tl.where(at[:, None], kc.to(tl.float32)[None, :], kt)
-            vt = tl.where(at[:, None], vc.to(tl.float32)[None, :], vt)
-        m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
-        some = lo < hi
-        m_i = tl.where(some, m1, m_i)
-        l_i = tl.where(some, l1, l_i)
-        acc = tl.where(some, a1, acc)
-        n0 += BLOCK_N
+    # the first tile, loaded above (an empty chunk: what the loop would leave, m -inf, l 0, acc 0)
+    n = lo + tl.arange(0, BLOCK_N)
+    kt = kt.to(tl.float32)
+    vt = vt.to(tl.float32)
+    if ROPE:  # the row len-1 (stale in memory until this launch stores it) from registers
+        at = n == pos
+        kt = tl.where(at[:, None], kc.to(tl.float32)[None, :], kt)
+        vt = tl.where(at[:, None], vc.to(tl.float32)[None, :], vt)
+    m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
+    some = lo < hi
+    m_i = tl.where(some, m1, m_i)
+    l_i = tl.where(some, l1, l_i)
+    acc = tl.where(some, a1, acc)
+    n0 = lo + BLOCK_N
     while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
         k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
         m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
@@ -511,8 +510,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
-                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = False) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -527,7 +525,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
-    early: each split program loads its first K / V tile with its other first loads (`_attn_split_kernel` EARLY).
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -562,7 +559,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps, **launch_args(q.device))
+            **rconst, FUSED=fused, **oconst, num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)

@@ -420,31 +420,27 @@ def _irows_dot(QT: tl.constexpr, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xs
 @triton.jit
 def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
               U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-              HAS_RES: tl.constexpr, EMU: tl.constexpr, PRE: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product. PRE: the first K-step's weight words are loaded
-    before `pdl.wait` (nothing in the step writes weights; x is the kernel before's output), the same sums."""
+              HAS_RES: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows pid R .. pid R + R - 1 of `_imv_kernel`'s product. The first K-step's weight words are loaded before
+    `pdl.wait` (nothing in the step writes weights; x is the kernel before's output: NOTES.md 7z', 8a)."""
     SW: tl.constexpr = U * N_BLOCKS
     row0 = pid * R
     start = row0.to(tl.int64) * SW
     wp, hp, bp = w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start
     accs, accms = _izeros(QT, R, NB, T)
-    if PRE:
-        raws = ()
-        for r in tl.static_range(R):
-            raws = raws + (_iwords(QT, wp, hp, bp, r * SW, row0 + r < M, 0, NB, T),)
-        wait(PDL)
-        xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 0, NB, T)
-        new_accs = ()
-        new_accms = ()
-        for r in tl.static_range(R):
-            a, am = _iwords_acc(QT, raws[r], xt, 1.0, accs[r], accms[r], EMU)
-            new_accs = new_accs + (a,)
-            new_accms = new_accms + (am,)
-        accs, accms = _irows_dot(QT, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 1.0, new_accs, new_accms,
-                                 SW, N_BLOCKS, R, NB, T, EMU, NB)
-    else:
-        accs, accms = _irows_dot(QT, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 1.0, accs, accms, SW,
-                                 N_BLOCKS, R, NB, T, EMU)
+    raws = ()
+    for r in tl.static_range(R):
+        raws = raws + (_iwords(QT, wp, hp, bp, r * SW, row0 + r < M, 0, NB, T),)
+    wait(PDL)
+    xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 0, NB, T)
+    new_accs = ()
+    new_accms = ()
+    for r in tl.static_range(R):
+        a, am = _iwords_acc(QT, raws[r], xt, 1.0, accs[r], accms[r], EMU)
+        new_accs = new_accs + (a,)
+        new_accms = new_accms + (am,)
+    accs, accms = _irows_dot(QT, wp, hp, bp, row0, M, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, 1.0, new_accs, new_accms,
+                             SW, N_BLOCKS, R, NB, T, EMU, NB)
     for r in tl.static_range(R):
         row = row0 + r
         v = _itotal_qt(QT, accs[r], accms[r])
@@ -456,34 +452,31 @@ def _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res
 @triton.jit
 def _imv_kernel(w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT: tl.constexpr,
                 U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr,
-                HAS_RES: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False, PRE: tl.constexpr = False):
+                HAS_RES: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (cdiv(M, R),). w: int32 [M, U N_BLOCKS] (U words per 256 weights; w16 / w8: its int16 / int8 views,
-    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]. PRE: `_imv_rows`."""
+    read by Q6I); x24 of [K] (hi as int64 [K / 4], lo as int32 [K / 4]); res/out: f32 [M]. The PDL wait comes
+    after the first weight loads (`_imv_rows`)."""
     trigger(PDL)
-    if not PRE:
-        wait(PDL)
     _imv_rows(tl.program_id(0), w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, res_ptr, out_ptr, M, QT, U,
-              N_BLOCKS, R, NB, T, HAS_RES, EMU, PRE, PDL)
+              N_BLOCKS, R, NB, T, HAS_RES, EMU, PDL)
 
 
 @triton.jit
 def _imv2_kernel(w_ptr, w16_ptr, w8_ptr, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out2_ptr,
                  M, M2, P1, QT: tl.constexpr, U: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                  QT2: tl.constexpr, U2: tl.constexpr, R2: tl.constexpr, NB2: tl.constexpr, N_BLOCKS: tl.constexpr,
-                 T: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False, PRE: tl.constexpr = False):
+                 T: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (P1 + cdiv(M2, R2),): two matrices of different layouts over the same x24 of [K] in one launch (a
     layer's q/k and v runs of two types): programs below P1 = cdiv(M, R) do `_imv_kernel`'s work for w [M, ...] ->
-    out [M], the rest for v [M2, ...] -> out2 [M2] (no residual). PRE: `_imv_rows`."""
+    out [M], the rest for v [M2, ...] -> out2 [M2] (no residual). The PDL wait: `_imv_rows`."""
     trigger(PDL)
-    if not PRE:
-        wait(PDL)
     pid = tl.program_id(0)
     if pid < P1:
         _imv_rows(pid, w_ptr, w16_ptr, w8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out_ptr, out_ptr, M, QT, U,
-                  N_BLOCKS, R, NB, T, False, EMU, PRE, PDL)
+                  N_BLOCKS, R, NB, T, False, EMU, PDL)
     else:
         _imv_rows(pid - P1, v_ptr, v16_ptr, v8_ptr, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, out2_ptr, out2_ptr, M2, QT2,
-                  U2, N_BLOCKS, R2, NB2, T, False, EMU, PRE, PDL)
+                  U2, N_BLOCKS, R2, NB2, T, False, EMU, PDL)
 
 
 @triton.jit
@@ -714,25 +707,23 @@ def _itile(kind: str, qt: int, m: int) -> WTile:
 
 
 def qmatvec_i(w: torch.Tensor, x: X24, out: torch.Tensor, residual: torch.Tensor | None = None,
-              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD,
-              pre: bool = False) -> torch.Tensor:
+              *, qtype: int = Q4_K, tile: WTile | None = None, words: int = WORDS_PER_THREAD) -> torch.Tensor:
     """out[M] = W[M, K] @ x[K] (+ residual[M]). w: uint8 [M, row_bytes], a Q4_K matrix or (qtype Q6_K / Q8_0) its
-    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). pre: the first K-step's weights are
-    loaded before the PDL wait (`_imv_rows` PRE; the same sums). Returns out."""
+    `COPIES` copy; x: X24 of [K]; out/residual: f32 [M] (out may be residual). Returns out."""
     m, k = w.shape[0], x.hi.shape[-1]
     views, units, qt = _iviews(qtype, w, k)
     t = wtile_for("mv", m, k, m, w.device, tile or _itile("mv", qt, m))
     _imv_kernel[(triton.cdiv(m, t.rows),)](
         *views, *_xviews(x, k), out if residual is None else residual, out, m,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, HAS_RES=residual is not None, EMU=_EMU,
-        PRE=pre, num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
     return out
 
 
 def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor, qtype2: int, out2: torch.Tensor,
-               x: X24, *, words: int = WORDS_PER_THREAD, pre: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               x: X24, *, words: int = WORDS_PER_THREAD) -> tuple[torch.Tensor, torch.Tensor]:
     """out = W @ x and out2 = W2 @ x in one launch (`_imv2_kernel`), each matrix as `qmatvec_i` takes it (its own
-    type, layout and default tile; `pre` as there); their tiles must have the same warps. Returns (out, out2)."""
+    type, layout and default tile); their tiles must have the same warps. Returns (out, out2)."""
     k = x.hi.shape[-1]
     (views, units, qt), (views2, units2, qt2) = _iviews(qtype, w, k), _iviews(qtype2, w2, k)
     m, m2 = w.shape[0], w2.shape[0]
@@ -743,7 +734,7 @@ def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor,
     p1 = triton.cdiv(m, t.rows)
     _imv2_kernel[(p1 + triton.cdiv(m2, t2.rows),)](
         *views, *views2, *_xviews(x, k), out, out2, m, m2, p1, QT=qt, U=units, R=t.rows, NB=t.nb, QT2=qt2,
-        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, PRE=pre, num_warps=t.num_warps,
+        U2=units2, R2=t2.rows, NB2=t2.nb, N_BLOCKS=k // 256, T=words, EMU=_EMU, num_warps=t.num_warps,
         num_stages=max(t.num_stages, t2.num_stages), **launch_args(w.device))
     return out, out2
 

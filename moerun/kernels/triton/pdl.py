@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, compute capability 9.0+) for the decode step's kernels (ops feature `pdl`).
+"""Programmatic dependent launch (PDL, compute capability 9.0+) for the decode step's kernels (on by default).
 
 A kernel launched with PDL may start while the kernel before it in the stream is still running: it lets its own
 dependents launch at once (`griddepcontrol.launch_dependents`) and then waits until its predecessor has finished
