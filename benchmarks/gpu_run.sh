@@ -160,8 +160,9 @@ for stage in "$@"; do
       [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
         2>&1 | tail -1
       timeout 500 python3 -m moerun bench -m "$f" -p 0 -n 128 -r 5 -d "${DEPTHS:-0}" --ops "${spec#*:}" \
-        --rounds "${ROUNDS:-2}" --output-file "$OUT/ab1-olmoe-1b-7b-$t.json" 2>&1 | sed -n '/^| ops |/,$p' \
-        | tee -a "$LOG" ;;  # the file stays (rm:TYPE)
+        --rounds "${ROUNDS:-2}" --output-file "$OUT/ab1-olmoe-1b-7b-$t.json" > /tmp/ab1.txt 2>&1
+      grep -q '^| ops |' /tmp/ab1.txt && sed -n '/^| ops |/,$p' /tmp/ab1.txt | tee -a "$LOG" \
+        || tail -5 /tmp/ab1.txt | tee -a "$LOG" ;;  # the summary, or the error (one ops: use tg:TYPE); the file stays
     rm:*) rm -f "/tmp/olmoe-1b-7b-${stage#*:}.gguf" ;;  # rm:TYPE: the synthesized OLMoE file abops kept
     qgemmtests) timeout 300 python3 -m pytest -q -x tests/kernels/test_qgemm.py 2>&1 | tail -3 | tee -a "$LOG" ;;
     prefilltests)
