@@ -21,8 +21,11 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "wpre": "the RMSNorm and norm + router kernels load their weights before the PDL wait for the kernel before "
+            "(decode_ops.rms_norm / norm_router w_pre)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"wpre": {"w_pre": True}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

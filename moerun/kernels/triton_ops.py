@@ -41,20 +41,22 @@ class TritonOps:
     before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
     pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
     each lets the next one launch, then waits for the one before, so launches overlap the kernel before them
-    (the integer matvecs load their first K-step's weights before that wait)."""
+    (the integer matvecs load their first K-step's weights before that wait).
+    w_pre: the RMSNorm and norm + router kernels load their weights before that wait (`decode_ops.rms_norm` w_pre)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True) -> None:
+                 pdl: bool = True, w_pre: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
         self.pdl = pdl
+        self.w_pre = w_pre
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -201,17 +203,15 @@ class TritonOps:
             return TorchOps.embed(w, qtype, ids, out, scale)
         return ek.embed(w, qtype, ids, out, scale)
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
                  out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> torch.Tensor:
-        return dk.rms_norm(x, w, eps, out, out_perm, out_x24)
+        return dk.rms_norm(x, w, eps, out, out_perm, out_x24, w_pre=self.w_pre)
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return dk.router_logits(x, w, out)
 
-    @staticmethod
-    def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, out: torch.Tensor,
+    def norm_router(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, out: torch.Tensor,
                     xn: torch.Tensor, xn_perm: torch.Tensor | None = None,
                     xn_x24: ik.X24 | None = None) -> torch.Tensor:
         if x.shape[-1] > 16384:
@@ -219,7 +219,7 @@ class TritonOps:
             if xn_x24 is not None:
                 ik.quantize_x24(xn, xn_x24)
             return out
-        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm, xn_x24)
+        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm, xn_x24, w_pre=self.w_pre)
 
     @staticmethod
     def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,

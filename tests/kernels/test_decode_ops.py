@@ -68,6 +68,22 @@ def test_rms_norm_rows(gen: torch.Generator) -> None:
     close(out, ref.rms_norm(x, w, 1e-5))
 
 
+@pytest.mark.parametrize("n", [129, 2048])
+def test_rms_norm_w_pre(gen: torch.Generator, n: int) -> None:
+    """w_pre (the weight loaded before the PDL wait, ops feature wpre): the same outputs bit for bit, the permuted
+    and quantized copies included; several rows."""
+    x, w = randn(gen, 3, n, scale=3.0), randn(gen, n)
+    extra = n % 256 == 0
+    want, got = nan(3, n), nan(3, n)
+    wp, gp = (nan(3, n), nan(3, n)) if extra else (None, None)
+    w24, g24 = (poisoned_x24(3, n), poisoned_x24(3, n)) if extra else (None, None)
+    ops.rms_norm(x, w, 1e-6, want, out_perm=wp, out_x24=w24)
+    ops.rms_norm(x, w, 1e-6, got, out_perm=gp, out_x24=g24, w_pre=True)
+    assert torch.equal(got, want)
+    if extra:
+        assert torch.equal(gp, wp) and all(torch.equal(a, b) for a, b in zip(g24, w24, strict=True))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -333,6 +349,15 @@ def test_norm_router(gen: torch.Generator, e: int, n: int, perm: bool) -> None:
     if x24 is not None:
         check_x24(x24, want_xn)
     close(logits, (w.double() @ want_xn.double()).float())
+    # w_pre (the norm weight and router row loaded before the PDL wait, ops feature wpre): the same bits
+    logits2, xn2 = nan(e), nan(n)
+    xp2, x242 = (nan(n) if perm else None), (poisoned_x24(n) if x24 is not None else None)
+    ops.norm_router(x, nw, 1e-6, w, logits2, xn2, xp2, x242, w_pre=True)
+    assert torch.equal(logits2, logits) and torch.equal(xn2, xn)
+    if perm:
+        assert torch.equal(xp2, xp)
+    if x24 is not None:
+        assert all(torch.equal(a, b) for a, b in zip(x242, x24, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

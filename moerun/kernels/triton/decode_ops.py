@@ -19,7 +19,7 @@ import triton.language as tl
 
 from moerun.kernels import reference as ref
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
-from moerun.kernels.triton.pdl import begin, launch_args
+from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 
 LOG2E = 1.4426950408889634
 QK_NORM_KINDS = {"none": 0, "head": 1, "full": 2}
@@ -37,16 +37,21 @@ def _np2(n: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, BLOCK: tl.constexpr,
-                     PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
+                     PERM: tl.constexpr, X24: tl.constexpr, WPRE: tl.constexpr = False, PDL: tl.constexpr = False):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
     in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with X24
-    quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0)."""
-    begin(PDL)
+    quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0). WPRE: w is loaded before the PDL wait
+    (nothing in a step writes weights), x after it."""
+    trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if WPRE:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    wait(PDL)
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if not WPRE:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
     y = x * r * w
     tl.store(out_ptr + row * N + offs, y, mask=mask)
@@ -59,11 +64,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_x24: Any = None, w_pre: bool = False) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
     out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_x24 (an
-    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels."""
+    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels. w_pre: w is loaded before
+    the PDL wait (ops feature wpre; the same arithmetic)."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
@@ -71,7 +77,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
     xa = x24_args(out_x24, n, "out_x24", out)
     _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
-                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
+                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None, WPRE=w_pre,
                               num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
     return out
 
@@ -683,19 +689,27 @@ def router_logits(x: torch.Tensor, w_router: torch.Tensor, logits_out: torch.Ten
 
 @triton.jit
 def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, E,
-                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr, WPRE: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """Program e (of E): y = x * rsqrt(mean(x^2) + eps) * nw (`_rms_norm_kernel`'s arithmetic, so the same bits
     at the same BLOCK and warps), out[e] = W[e] . y; lanes i with i % E == e store y into xn (and into xp at
-    `perm_slot(i)` with PERM), so the E programs write y once between them. x, nw: [N] f32, W: [E, N] f32."""
-    begin(PDL)
+    `perm_slot(i)` with PERM), so the E programs write y once between them. x, nw: [N] f32, W: [E, N] f32.
+    WPRE: nw and the router row are loaded before the PDL wait (weights), x after it."""
+    trigger(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if WPRE:
+        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
+        wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    wait(PDL)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
+    if not WPRE:
+        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
     y = x * r * nw
-    wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    if not WPRE:
+        wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
     tl.store(out_ptr + e, tl.sum(wr * y, 0))
     mine = mask & (offs % E == e)
     tl.store(xn_ptr + offs, y, mask=mine)
@@ -708,11 +722,13 @@ def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, hi_ptr, l
 
 
 def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, logits_out: torch.Tensor,
-                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None, xn_x24: Any = None) -> torch.Tensor:
+                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None, xn_x24: Any = None,
+                w_pre: bool = False) -> torch.Tensor:
     """RMSNorm + router matvec in one launch: xn_out = rms_norm(x) * norm_w (as `rms_norm`, bit for bit),
     logits_out = W xn_out. x, norm_w: [N] f32 (N <= 16384); w_router: [E, N] f32 contiguous; logits_out [E];
     xn_perm ([N], N % 256 == 0): also receives xn_out in permute_k4 order; xn_x24 (imatvec.X24 of [N], N % 32 == 0)
-    xn_out quantized for the integer-dot kernels. E programs. Returns logits_out."""
+    xn_out quantized for the integer-dot kernels. w_pre: the weights loaded before the PDL wait (as `rms_norm`). E
+    programs. Returns logits_out."""
     e, n = w_router.shape
     if xn_perm is not None and n % 256:
         raise ValueError(f"xn_perm needs N % 256 == 0, got N = {n}")
@@ -720,7 +736,8 @@ def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: tor
     xa = x24_args(xn_x24, n, "xn_x24", xn_out)
     _norm_router_kernel[(e,)](x, norm_w, w_router, logits_out, xn_out, xn_out if xn_perm is None else xn_perm,
                               *xa, float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
-                              X24=xn_x24 is not None, num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
+                              X24=xn_x24 is not None, WPRE=w_pre, num_warps=8 if block >= 4096 else 4,
+                              **launch_args(x.device))
     return logits_out
 
 
