@@ -13,7 +13,8 @@
 #   sanitize:TOOL (compute-sanitizer memcheck / racecheck / synccheck over tiny models' eager decode steps),
 #   abops:TYPE:OPS,OPS,... (benchmarks/ab_ops.sh: same-call A/B of decode ops variants on synthesized OLMoE TYPE,
 #   the file kept for the next call; rm:TYPE deletes it),
-#   ab1:TYPE:OPS,OPS,... (the same in one process: `moerun bench --ops A,B --rounds $ROUNDS`, the summary table),
+#   ab1:TYPE:OPS,OPS,... (the same in one process: `moerun bench --ops A,B --rounds $ROUNDS`, the summary table;
+#   with AB1_TREE=NAME (export:AB1_TREE=old) the package in abtree/NAME runs it, e.g. an older commit's features),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -159,8 +160,10 @@ for stage in "$@"; do
       spec=${stage#*:}; t=${spec%%:*}; f=/tmp/olmoe-1b-7b-$t.gguf
       [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
         2>&1 | tail -1
-      timeout 500 python3 -m moerun bench -m "$f" -p 0 -n 128 -r 5 -d "${DEPTHS:-0}" --ops "${spec#*:}" \
-        --rounds "${ROUNDS:-2}" --output-file "$OUT/ab1-olmoe-1b-7b-$t.json" > /tmp/ab1.txt 2>&1
+      d=$PWD; [ -n "${AB1_TREE:-}" ] && d=$PWD/abtree/$AB1_TREE  # AB1_TREE: run it in abtree/NAME's package
+      (cd "$d" && PYTHONPATH=$d:/tmp/site timeout 500 python3 -m moerun bench -m "$f" -p 0 -n 128 -r 5 \
+        -d "${DEPTHS:-0}" --ops "${spec#*:}" --rounds "${ROUNDS:-2}" \
+        --output-file "$OUT/ab1-olmoe-1b-7b-$t${AB1_TREE:+-$AB1_TREE}.json" > /tmp/ab1.txt 2>&1)
       grep -q '^| ops |' /tmp/ab1.txt && sed -n '/^| ops |/,$p' /tmp/ab1.txt | tee -a "$LOG" \
         || tail -5 /tmp/ab1.txt | tee -a "$LOG" ;;  # the summary, or the error (one ops: use tg:TYPE); the file stays
     rm:*) rm -f "/tmp/olmoe-1b-7b-${stage#*:}.gguf" ;;  # rm:TYPE: the synthesized OLMoE file abops kept
