@@ -19,6 +19,7 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-words": {"ints": False},                              # Q4_K on the word kernels' float decode
     "triton-unpadded": {"ints": False, "pad": False},             # also the Q6_K matrices on the file's rows
     "triton-bytes": {"ints": False, "pad": False, "words": False},  # every type on the byte-decoding matvecs
+    "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {

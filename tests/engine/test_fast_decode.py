@@ -196,7 +196,7 @@ def test_make_ops_names() -> None:
     from moerun.kernels.gpu import sm_count
     from moerun.kernels.triton import decode_ops as dk
 
-    assert t.pdl and make_ops("triton-bytes").pdl
+    assert t.pdl and make_ops("triton-bytes").pdl and not make_ops("triton-nopdl").pdl
     assert make_ops("triton+wpre").w_pre and make_ops("triton-bytes+wpre").w_pre and not t.w_pre  # NOTES.md 8b
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
     assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
