@@ -199,10 +199,11 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
                                            kv_len: int, window: int, fused: bool, cache_dtype: torch.dtype) -> None:
     """The split programs load their first K / V tile before this step's row is stored: where that tile holds
     position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop
-    reads it back after a barrier (kv_len 40 in one split, 80 in two of 48: its third tile). The cache's row is
-    poisoned with NaN until the launch stores it; against qk_norm_rope_store then attention_decode: the same cache
-    rows bit for bit, the same output and quantized output (f16 / bf16 / f32 caches, GQA, a window, one and several
-    live splits (min_split 16), tiles of 16 positions, the fused reduce and the reduce launch)."""
+    reads it back after a barrier (kv_len 40 in one split: its third tile; 80 in two of 48: the second's second tile;
+    33 in three live splits of 16: a first tile). The cache's row is poisoned with NaN until the launch stores it;
+    against qk_norm_rope_store then attention_decode: the same cache rows bit for bit, the same output and quantized
+    output (f16 / bf16 / f32 caches, GQA, a window, one and several live splits (min_split 16), tiles of 16
+    positions, the fused reduce and the reduce launch)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q = randn(gen, h * d, scale=2.0)
     k, v = randn(gen, hkv * d), randn(gen, hkv * dv)
@@ -291,7 +292,7 @@ def test_attention_decode_fused_reduce(gen: torch.Generator, h: int, hkv: int, d
 
 
 def test_attention_splits_policy() -> None:
-    assert ops.attention_splits(4096, 16, 132) == 25  # 400 programs of 192 positions: 3 per SM (159 registers)
+    assert ops.attention_splits(4096, 16, 132) == 25  # 400 programs of 192 positions: 3 per SM (160 registers)
     assert ops.attention_splits(4096, 16, 132, programs_per_sm=4) == 33  # 528 programs of 128 positions
     assert ops.attention_splits(96, 16, 132, block_n=64) == 2  # never more splits than tiles
     assert ops.attention_splits(1, 64, 132) == 1
