@@ -25,8 +25,10 @@ BASES: dict[str, dict[str, Any]] = {
 FEATURES: dict[str, str] = {
     "wpre": "the RMSNorm and norm + router kernels load their weights before the PDL wait for the kernel before "
             "(decode_ops.rms_norm / norm_router w_pre)",
+    "attnpipe": "the attention's tiles after a split's first are loaded in pairs, software-pipelined through "
+                "shared memory (decode_ops.attention_decode stages=3)",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"wpre": {"w_pre": True}}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"wpre": {"w_pre": True}, "attnpipe": {"attn_stages": 3}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

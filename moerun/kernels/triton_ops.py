@@ -42,14 +42,16 @@ class TritonOps:
     pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
     each lets the next one launch, then waits for the one before, so launches overlap the kernel before them
     (the integer matvecs load their first K-step's weights before that wait).
-    w_pre: the RMSNorm and norm + router kernels load their weights before that wait (`decode_ops.rms_norm` w_pre)."""
+    w_pre: the RMSNorm and norm + router kernels load their weights before that wait (`decode_ops.rms_norm` w_pre).
+    attn_stages: the attention's tiles after a split's first go in pipelined pairs (`decode_ops.attention_decode`
+    stages; 0: one at a time)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, w_pre: bool = False) -> None:
+                 pdl: bool = True, w_pre: bool = False, attn_stages: int = 0) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -57,6 +59,7 @@ class TritonOps:
         self.down_ahead = down_ahead
         self.pdl = pdl
         self.w_pre = w_pre
+        self.attn_stages = attn_stages
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -260,7 +263,8 @@ class TritonOps:
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out))
+                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
+                            stages=self.attn_stages)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -274,7 +278,7 @@ class TritonOps:
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out))
+                            out_x24=out_x24, counters=self._attn_counters(out), stages=self.attn_stages)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

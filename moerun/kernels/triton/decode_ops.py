@@ -265,6 +265,9 @@ NO_WINDOW = 1 << 30
 # programs per SM the split policy aims at: the split kernel's 160 registers (sm_90, OLMoE's shape, NOTES.md 7z) leave
 # room for 3 programs of 4 warps per SM (4 per SM, two waves at long contexts, measured 5% slower at depth 4096: 8a)
 ATTN_PROGRAMS_PER_SM = 3
+# with `attention_decode(stages=...)`: tiles per pipelined group (stages 3 keeps both in flight: 64 KB of shared
+# memory per program for f16 caches at D = 128, 3 programs in an H100's or H200's 228 KB per SM)
+ATTN_GROUP = 2
 
 
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
@@ -335,7 +338,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr = 1,
+                       STAGES: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -356,6 +360,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at len-1 in
     that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
     so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a).
+
+    STAGES > 0: the tiles after the first go GROUP at a time through a loop of static trip count GROUP that Triton
+    software-pipelines STAGES deep (cp.async copies into shared memory, issued STAGES - 1 tiles ahead): with
+    STAGES > GROUP a group's tiles are all in flight together, one round trip per group instead of one per tile.
+    Tiles past the chunk's end are masked (no memory traffic; at most GROUP - 1 per split). STAGES 0: one tile per
+    trip of a plain loop (NOTES.md 8c).
     """
     begin(PDL)
     sp = tl.program_id(1)
@@ -418,10 +428,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     acc = tl.where(some, a1, acc)
     n0 = lo + BLOCK_N
     while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
-        k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-        m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
-                                   acc)
-        n0 += BLOCK_N
+        if STAGES > 0:  # GROUP tiles per trip, pipelined (the static inner trip count lets Triton do it)
+            for t in tl.range(0, GROUP, num_stages=STAGES):
+                n1 = n0 + t * BLOCK_N
+                k, v = _kv_tile(k_base, v_base, n1, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+                m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n1 + tl.arange(0, BLOCK_N) < hi,
+                                           m_i, l_i, acc)
+            n0 += GROUP * BLOCK_N
+        else:
+            k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i,
+                                       l_i, acc)
+            n0 += BLOCK_N
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
         _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
     else:
@@ -516,7 +534,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
-                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
+                     stages: int = 0, group: int = ATTN_GROUP) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -531,6 +550,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
+    stages > 0: a split's tiles after its first are loaded `group` at a time, software-pipelined `stages` deep
+    through shared memory (`_attn_split_kernel` STAGES / GROUP; (stages - 1) x block_n x (D + Dv) cache elements
+    of shared memory per program); 0: one tile at a time.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -545,6 +567,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   MIN_SPLIT=max(min_split, block_n))
     win = int(window) if window > 0 else NO_WINDOW
     fused = counters is not None and split and reduce
+    if stages < 0 or group < 1:
+        raise ValueError(f"attention stages must be >= 0 and group >= 1, got {stages} and {group}")
     if fused and (counters.numel() < h or counters.dtype != torch.int32):
         raise ValueError(f"counters must be int32 zeros [>= {h}], got {counters.dtype} [{counters.numel()}]")
     if split:
@@ -565,7 +589,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, num_warps=num_warps, **launch_args(q.device))
+            **rconst, FUSED=fused, **oconst, GROUP=group if stages else 1, STAGES=stages, num_warps=num_warps,
+            **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
