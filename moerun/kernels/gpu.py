@@ -27,6 +27,7 @@ class GPU:
     capability: tuple[int, int]
     sm_count: int
     l2_bytes: int
+    smem_per_sm: int = 0  # shared memory per SM in bytes (0: not reported)
 
     @property
     def tuned(self) -> bool:
@@ -40,7 +41,8 @@ class GPU:
 @functools.cache
 def _gpu(index: int) -> GPU:
     p = torch.cuda.get_device_properties(index)
-    return GPU(p.name, (p.major, p.minor), p.multi_processor_count, int(getattr(p, "L2_cache_size", 0)))
+    return GPU(p.name, (p.major, p.minor), p.multi_processor_count, int(getattr(p, "L2_cache_size", 0)),
+               int(getattr(p, "shared_memory_per_multiprocessor", 0)))
 
 
 def _index(device: torch.device) -> int:

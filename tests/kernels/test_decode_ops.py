@@ -278,6 +278,18 @@ def test_attention_decode_pipelined(gen: torch.Generator, h: int, hkv: int, d: i
         close(outs[stages], outs[0])
 
 
+def test_attention_stages_fit_shared_memory() -> None:
+    """The pipeline depth leaves room for the split policy's programs per SM: f16 at D = 128 keeps 3 stages on a
+    228 KB SM (3 programs x 2 buffers of 32 KB), f32 gets 2, a 100 KB SM (Ada) none for f32; unreported: as asked."""
+    sm = 228 * 1024
+    assert ops.attention_stages(3, 64, 128, 128, 2, 2, sm) == 3
+    assert ops.attention_stages(3, 64, 128, 128, 4, 4, sm) == 2
+    assert ops.attention_stages(3, 64, 128, 128, 4, 4, 100 * 1024) == 0
+    assert ops.attention_stages(5, 64, 128, 128, 2, 2, sm) == 3
+    assert ops.attention_stages(0, 64, 128, 128, 2, 2, sm) == 0
+    assert ops.attention_stages(3, 64, 128, 128, 4, 4, 0) == 3
+
+
 def test_attention_decode_stages_checked() -> None:
     q = torch.zeros(2, 16, device=DEV)
     cache = torch.zeros(8, 2, 16, device=DEV)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
+from moerun.kernels.gpu import gpu
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 
@@ -268,6 +269,21 @@ ATTN_PROGRAMS_PER_SM = 3
 # with `attention_decode(stages=...)`: tiles per pipelined group (stages 3 keeps both in flight: 64 KB of shared
 # memory per program for f16 caches at D = 128, 3 programs in an H100's or H200's 228 KB per SM)
 ATTN_GROUP = 2
+ATTN_SMEM_RESERVE = 4096  # bytes of shared memory a split program takes besides its pipeline buffers (reductions)
+
+
+def attention_stages(stages: int, block_n: int, d: int, dv: int, k_bytes: int, v_bytes: int, smem_per_sm: int,
+                     programs_per_sm: int = ATTN_PROGRAMS_PER_SM) -> int:
+    """The pipeline depth `attention_decode(stages=...)` runs: at most `stages`, and shallow enough that the
+    split policy's programs_per_sm programs fit one SM's shared memory with their (stages - 1) buffered K / V tiles
+    (block_n x (d k_bytes + dv v_bytes) bytes each): f16 caches at D = 128 keep 3 on an H100 / H200 (228 KB per
+    SM), f32 caches get 2. Below 2 nothing is pipelined (0); smem_per_sm 0 (not reported; the CPU interpreter):
+    `stages` as given."""
+    if stages < 2 or smem_per_sm <= 0:
+        return stages
+    tile = block_n * (d * k_bytes + dv * v_bytes)
+    fit = (smem_per_sm // programs_per_sm - ATTN_SMEM_RESERVE) // tile + 1
+    return min(stages, fit) if fit >= 2 else 0
 
 
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
@@ -552,7 +568,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     stages > 0: a split's tiles after its first are loaded `group` at a time, software-pipelined `stages` deep
     through shared memory (`_attn_split_kernel` STAGES / GROUP; (stages - 1) x block_n x (D + Dv) cache elements
-    of shared memory per program); 0: one tile at a time.
+    of shared memory per program, fewer stages where 3 programs per SM would not fit: `attention_stages`); 0: one
+    tile at a time.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -569,6 +586,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fused = counters is not None and split and reduce
     if stages < 0 or group < 1:
         raise ValueError(f"attention stages must be >= 0 and group >= 1, got {stages} and {group}")
+    if q.device.type == "cuda":
+        stages = attention_stages(stages, block_n, d, dv, k_cache.element_size(), v_cache.element_size(),
+                                  gpu(q.device).smem_per_sm)
     if fused and (counters.numel() < h or counters.dtype != torch.int32):
         raise ValueError(f"counters must be int32 zeros [>= {h}], got {counters.dtype} [{counters.numel()}]")
     if split:
