@@ -257,11 +257,11 @@ def test_triton_step_in_the_interpreter(ops: str, tmp_path: Path) -> None:
     kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
     tokens = [5, 17]
     ref = Engine(path, fast=False, **kw).forward(tokens)
-    eng = Engine(path, fast=True, ops="triton", graph=False, **kw)
+    eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
-        assert err < 1e-4, f"step {i}: relative logit error {err:.2e}"
+        assert err < 1e-4, f"{ops} step {i}: relative logit error {err:.2e}"
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA only (the interpreter takes minutes a step)")
