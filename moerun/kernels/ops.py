@@ -27,8 +27,11 @@ FEATURES: dict[str, str] = {
             "(decode_ops.rms_norm / norm_router w_pre)",
     "attnpipe": "the attention's tiles after a split's first are loaded in pairs, software-pipelined through "
                 "shared memory (decode_ops.attention_decode stages=3)",
+    "kpipe": "the gate/up kernels' K loops (integer and byte kernels) software-pipelined 2 deep through shared "
+             "memory (imatvec.moe_gate_up_i / qmatvec.moe_gate_up k_stages=2): Q8_0, Q6_K, F16 and BF16 gate/up",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"wpre": {"w_pre": True}, "attnpipe": {"attn_stages": 3}}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"wpre": {"w_pre": True}, "attnpipe": {"attn_stages": 3},
+                                           "kpipe": {"k_stages": 2}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

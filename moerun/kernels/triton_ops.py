@@ -44,14 +44,15 @@ class TritonOps:
     (the integer matvecs load their first K-step's weights before that wait).
     w_pre: the RMSNorm and norm + router kernels load their weights before that wait (`decode_ops.rms_norm` w_pre).
     attn_stages: the attention's tiles after a split's first go in pipelined pairs (`decode_ops.attention_decode`
-    stages; 0: one at a time)."""
+    stages; 0: one at a time).
+    k_stages: the gate/up kernels' K loops (integer and byte kernels) software-pipelined that deep (1: not)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, w_pre: bool = False, attn_stages: int = 0) -> None:
+                 pdl: bool = True, w_pre: bool = False, attn_stages: int = 0, k_stages: int = 1) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -60,6 +61,7 @@ class TritonOps:
         self.pdl = pdl
         self.w_pre = w_pre
         self.attn_stages = attn_stages
+        self.k_stages = k_stages
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -167,7 +169,7 @@ class TritonOps:
                 and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate)
+                                    counters=cnt, qtype=qtype_gate, k_stages=self.k_stages)
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -177,7 +179,8 @@ class TritonOps:
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
-        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out)
+        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
+                              k_stages=self.k_stages)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,

@@ -167,6 +167,34 @@ def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
         check_bound(out, a * u, bound, seed, f"{T(qtype).name} igate_up ids={ids_list} {act} tile={tile}")
 
 
+@pytest.mark.parametrize("qtype,tile", [(Q8_0, wk.WTile(2, 1)), (Q6_K, wk.WTile(1, 1)), (Q4_K, wk.WTile(2, 1)),
+                                        (Q8_0, None)], ids=str)
+@pytest.mark.parametrize("k_stages", [2, 3])
+def test_moe_gate_up_i_k_stages(qtype, tile, k_stages, device, rng) -> None:
+    """k_stages > 1 (the K loop software-pipelined: `kpipe`): the same sums as k_stages 1, bit for bit in the
+    interpreter (on a GPU within the float64 bound: ptxas may contract the two builds differently), over 3 K-steps
+    of one block (k 768, tiles of NB 1) and the default tile."""
+    gen, seed = rng
+    e, f, k = 5, 37, 768
+    wg, dg = _iweights(qtype, (e, f), k, gen, device)
+    wu, du = _iweights(qtype, (e, f), k, gen, device)
+    xq, xd = _x24(vec(gen, k), device)
+    ids = torch.tensor([4, 1, 4], dtype=torch.int32)
+    g, u = dg[ids] @ xd, du[ids] @ xd
+    a = ACTIVATIONS["silu"](g)
+    bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
+    outs = []
+    for ks in (1, k_stages):
+        outs.append(torch.full((3, f), float("nan"), device=device))
+        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), outs[-1], tile=tile, words=8 if qtype != Q4_K else
+                         ik.WORDS_PER_THREAD, qtype=qtype, k_stages=ks)
+    check_bound(outs[1], a * u, bound, seed, f"{T(qtype).name} igate_up k_stages={k_stages} tile={tile}")
+    if device.type == "cpu":
+        assert torch.equal(outs[1], outs[0])
+    with pytest.raises(ValueError, match="k_stages must be >= 1"):
+        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), outs[0], qtype=qtype, k_stages=0)
+
+
 @pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
 def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
     """h_out: the launch also quantizes h for the integer down (each 32-value group by the last of its programs to

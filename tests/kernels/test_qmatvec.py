@@ -87,6 +87,31 @@ def test_moe_gate_up(qg, qu, device, rng) -> None:
         _check(out, ref, bound, seed, f"gate_up {qg.name}/{qu.name} ids={ids_list} {act} tile={tile}")
 
 
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k_stages", [2, 3])
+def test_moe_gate_up_k_stages(qtype, k_stages, device, rng) -> None:
+    """k_stages > 1 (the shared K loop software-pipelined: `kpipe`): the same sums as k_stages 1 (bit for bit in
+    the interpreter; on a GPU within the float64 bound), over 4 K-steps (2 for Q4_K)."""
+    gen, seed = rng
+    e, f, k = 5, 37, 2 * SB
+    wg, dg = _weights(qtype, (e, f), k, gen, device)
+    wu, du = _weights(qtype, (e, f), k, gen, device)
+    x = _vec(gen, k)
+    xd = x.double()
+    ids = torch.tensor([4, 1, 4], dtype=torch.int32)
+    g, u = dg[ids] @ xd, du[ids] @ xd
+    a = ACTIVATIONS["silu"](g)
+    bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
+    tile = Tile(4, max(1, 2 * SB // GEOMETRY[qtype][0] // 4), 4)  # 4 K-steps (Q4_K: its 2 blocks one at a time)
+    outs = []
+    for ks in (1, k_stages):
+        outs.append(torch.full((3, f), float("nan"), device=device))
+        moe_gate_up(wg, wu, int(qtype), int(qtype), x.to(device), ids.to(device), outs[-1], tile=tile, k_stages=ks)
+    _check(outs[1], a * u, bound, seed, f"gate_up {qtype.name} k_stages={k_stages}")
+    if device.type == "cpu":
+        assert torch.equal(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_moe_down(qtype, device, rng) -> None:
     gen, seed = rng

@@ -499,12 +499,15 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
                      hsum_ptr, cnt_ptr, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr,
                      NB: tl.constexpr, T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr,
                      ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, KSTAGES: tl.constexpr = 1,
+                     PDL: tl.constexpr = False):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
     `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
     H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
-    counters cnt [n_sel F / 32] int32 zeros, left zero)."""
+    counters cnt [n_sel F / 32] int32 zeros, left zero).
+    KSTAGES > 1: the K loop is software-pipelined that deep (Triton copies the next K-steps' words and x tiles into
+    shared memory with cp.async while this one's dots run; only a loop of 2+ K-steps has anything to overlap)."""
     begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
@@ -516,7 +519,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
     wu, wu16, wu8 = wu_ptr + us, wu16_ptr + 2 * us, wu8_ptr + 4 * us
     ga, gm = _izeros(QT, R, NB, T)
     ua, um = _izeros(QT, R, NB, T)
-    for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
+    for kb in tl.range(0, N_BLOCKS, NB, num_stages=KSTAGES):  # gate and up rows share each x tile
         xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
         nga = ()
         ngm = ()
@@ -742,13 +745,15 @@ def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor,
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
                   act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
                   route: Route | None = None, h_out: X24 | None = None, counters: torch.Tensor | None = None,
-                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD, k_stages: int = 1) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x). w_*: uint8 [E, F, row_bytes], Q4_K or (qtype Q6_K / Q8_0)
     their `COPIES` copy; x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out:
     f32 [n_sel, F], rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out
     quantized (X24 of [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left
-    zero)."""
+    zero). k_stages > 1: the K loop software-pipelined that deep (`_igate_up_kernel` KSTAGES; the same sums)."""
     f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
+    if k_stages < 1:
+        raise ValueError(f"k_stages must be >= 1, got {k_stages}")
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     gv, units, qt = _iviews(qtype, w_gate, k)
@@ -766,8 +771,8 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
-        **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages,
-        **launch_args(w_gate.device))
+        **rconst, H24=h_out is not None, EMU=_EMU, KSTAGES=k_stages, num_warps=t.num_warps,
+        num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
 
 

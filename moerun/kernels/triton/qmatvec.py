@@ -165,11 +165,12 @@ def _act(g, ACT: tl.constexpr):
 def _moe_gate_up_kernel(
     wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um, stride_out,
     NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
-    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr,
+    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr, KSTAGES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]
-    (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`)."""
+    (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`). KSTAGES > 1: the shared K
+    loop (gate and up of one type and step) software-pipelined that deep through shared memory (cp.async)."""
     begin(PDL)
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -181,7 +182,7 @@ def _moe_gate_up_kernel(
     if QG == QU and NBG == NBU:  # one loop: both matrices' bytes in flight each step
         ga = zeros(QG, BM, NBG)
         ua = zeros(QU, BM, NBU)
-        for kb in range(0, NBLK_G, NBG):
+        for kb in tl.range(0, NBLK_G, NBG, num_stages=KSTAGES):
             ga += step(wg, rmask, kb, NBLK_G, x_ptr, QG, BM, NBG)
             ua += step(wu, rmask, kb, NBLK_U, x_ptr, QU, BM, NBU)
         g = total(ga, QG)
@@ -319,14 +320,18 @@ def moe_gate_up(
     *,
     perm_out: bool = False,
     tile: Tile | None = None,
+    k_stages: int = 1,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: float32 [K]; ids: int32/int64 [n_sel] on the device (read by
     the kernel); out: float32 [n_sel, F] (rows contiguous; with perm_out each row in the word kernels'
-    order, F % 256 == 0). act: "silu" | "gelu_tanh". Returns out.
+    order, F % 256 == 0). act: "silu" | "gelu_tanh". k_stages > 1: the K loop software-pipelined that deep
+    (`_moe_gate_up_kernel` KSTAGES; the same sums). Returns out.
     """
     _check(qtype_gate)
+    if k_stages < 1:
+        raise ValueError(f"k_stages must be >= 1, got {k_stages}")
     _check(qtype_up)
     f, k, n_sel = w_gate.shape[1], x.shape[0], ids.shape[0]
     if perm_out and f % 256:
@@ -337,7 +342,7 @@ def moe_gate_up(
     _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
         wg, wu, x, ids, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
-        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out,
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, KSTAGES=k_stages,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
 
