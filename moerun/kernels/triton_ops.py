@@ -45,14 +45,17 @@ class TritonOps:
     w_pre: the RMSNorm and norm + router kernels load their weights before that wait (`decode_ops.rms_norm` w_pre).
     attn_stages: the attention's tiles after a split's first go in pipelined pairs (`decode_ops.attention_decode`
     stages; 0: one at a time).
-    k_stages: the gate/up kernels' K loops (integer and byte kernels) software-pipelined that deep (1: not)."""
+    k_stages: the gate/up kernels' K loops (integer and byte kernels) software-pipelined that deep (1: not).
+    down_stages: the down kernels' loops over the chosen experts software-pipelined that deep, each expert in one
+    K-step (`imatvec.moe_down_i` / `qmatvec.moe_down` stages; 1: `down_ahead`'s groups instead)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, w_pre: bool = False, attn_stages: int = 0, k_stages: int = 1) -> None:
+                 pdl: bool = True, w_pre: bool = False, attn_stages: int = 0, k_stages: int = 1,
+                 down_stages: int = 1) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -62,6 +65,7 @@ class TritonOps:
         self.w_pre = w_pre
         self.attn_stages = attn_stages
         self.k_stages = k_stages
+        self.down_stages = down_stages
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -187,14 +191,15 @@ class TritonOps:
                  h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
             return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype,
-                                 experts_ahead=self.down_ahead)
+                                 experts_ahead=self.down_ahead, stages=self.down_stages)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
             return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead)
+        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead,
+                           stages=self.down_stages)
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""

@@ -298,6 +298,49 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
             check_bound(out, one.cpu().double(), bound, seed, f"experts_ahead={ahead} against one", tol=1e-6)
 
 
+@pytest.mark.parametrize("qtype,f", [(Q4_K, 1024), (Q6_K, 512), (Q8_0, 512), (Q4_K, 768)])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_moe_down_i_stages(qtype, f, stages, device, rng, monkeypatch) -> None:
+    """stages > 1 (`dpipe`: the expert loop software-pipelined, each expert one K-step of F / 256 blocks): the
+    one-expert loop's sums over that K-step (bit for bit in the interpreter; on a GPU within the float64 bound),
+    poisoned outputs. Where no one-K-step tile exists (F 768: 3 blocks; rows x F over PIPE_MAX_WEIGHTS) it is the
+    default call's result."""
+    gen, seed = rng
+    e, n = 5, 37
+    w, dw = _iweights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    hq, hd = _x24(vec(gen, 4, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    args = (w, hq, ids.to(device), wts.to(device), r.to(device))
+    words = ik.WORDS_PER_THREAD if qtype == Q4_K else 8
+    if f == 768:  # 3 blocks: no one-K-step tile of a power of two
+        default = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, words=words)
+        out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, stages=stages,
+                            words=words)
+        check_bound(out, ref, bound, seed, f"{T(qtype).name} idown stages={stages} F={f}")
+        assert torch.equal(out, default)
+        return
+    one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, experts_ahead=1,
+                        tile=wk.WTile(2, f // 256), words=words)
+    for tile in (wk.WTile(2, f // 256), wk.WTile(2, 1)):  # the second's NB is replaced by F / 256
+        out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, stages=stages,
+                            tile=tile, words=words)
+        check_bound(out, ref, bound, seed, f"{T(qtype).name} idown stages={stages} tile={tile}")
+        if torch.device(device).type == "cpu":
+            assert torch.equal(out, one), f"stages={stages} tile={tile} differs from the one-expert loop"
+    monkeypatch.setattr(ik, "PIPE_MAX_WEIGHTS", 2 * f - 1)  # 2 rows x F over it: the default's loop, its K-steps
+    plain = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype,
+                          tile=wk.WTile(2, 1), words=words)
+    out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, stages=stages,
+                        tile=wk.WTile(2, 1), words=words)
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="stages must be >= 1"):
+        ik.moe_down_i(*args, out, qtype=qtype, stages=0)
+
+
 def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""

@@ -15,12 +15,14 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import triton  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from support.kernel_checks import check_bound as _check  # noqa: E402
 from support.kernel_checks import quant_weights as _weights  # noqa: E402
 from support.kernel_checks import vec as _vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.triton import qmatvec as qk  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, Tile, moe_down, moe_gate_up, qmatvec  # noqa: E402
 
 # silu / gelu_tanh divide by 1 + exp(-z): exp overflows to inf for very negative inputs (exactly right)
@@ -156,6 +158,41 @@ def test_moe_down_experts_ahead(qtype, device, rng) -> None:
             moe_down(*args, out, tile=tile, **({} if ahead is None else {"experts_ahead": ahead}))
             _check(out, ref, bound, seed, f"down {qtype.name} experts_ahead={ahead} tile={tile}")
             assert torch.equal(out, one), f"{qtype.name} experts_ahead={ahead} tile={tile}"
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_moe_down_stages(qtype, stages, device, rng, monkeypatch) -> None:
+    """stages > 1 (`dpipe`: the expert loop software-pipelined, each expert's row in one K-step): the sums of the
+    one-expert loop over that one K-step (bit for bit in the interpreter; on a GPU within the float64 bound), 4 of
+    5 experts, poisoned outputs; rows longer than PIPE_MAX_WEIGHTS per program keep the plain loop."""
+    gen, seed = rng
+    e, n, f = 5, 37, 3 * SB
+    w, dw = _weights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    h = _vec(gen, 4, f)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = _vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], h.double())).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(),
+                                                                      h.double().abs())).sum(0)
+    args = (w, int(qtype), h.to(device), ids.to(device), wts.to(device), r.to(device))
+    bs = GEOMETRY[qtype][0]
+    tile = Tile(block_m=4, nb=triton.next_power_of_2(f // bs), num_warps=2)  # one K-step, what stages > 1 uses
+    one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile, experts_ahead=1)
+    for t in (tile, Tile(block_m=4, nb=256 // bs, num_warps=2)):  # the second's nb is replaced by the row's
+        out = torch.full((n,), float("nan"), device=device)
+        moe_down(*args, out, tile=t, stages=stages)
+        _check(out, ref, bound, seed, f"down {qtype.name} stages={stages} tile={t}")
+        if device.type == "cpu":
+            assert torch.equal(out, one), f"{qtype.name} stages={stages} tile={t}"
+    small = Tile(block_m=4, nb=256 // bs, num_warps=2)
+    monkeypatch.setattr(qk, "PIPE_MAX_WEIGHTS", 4 * f - 1)  # 4 rows x F over it: the plain loop, its K-steps
+    plain = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=small, experts_ahead=1)
+    out = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=small, stages=stages)
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="stages must be >= 1"):
+        moe_down(*args, out, stages=0)
 
 
 def test_deterministic(device, rng) -> None:

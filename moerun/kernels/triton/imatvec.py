@@ -42,7 +42,13 @@ from gguf import GGMLQuantizationType
 from moerun.kernels.torch_ops import X24, Route
 from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
-from moerun.kernels.triton.qmatvec import ACTIVATIONS, EXPERTS_AHEAD, chosen_experts, zero_after_barrier
+from moerun.kernels.triton.qmatvec import (
+    ACTIVATIONS,
+    EXPERTS_AHEAD,
+    PIPE_MAX_WEIGHTS,
+    chosen_experts,
+    zero_after_barrier,
+)
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
     WTile,
@@ -601,11 +607,13 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
                   stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
                   R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  DSTAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
     weight folded into the scales, experts summed in order. EU > 1: the experts' loads EU at a time ahead of their
-    arithmetic (`_idown_experts`, EU divides N_SEL)."""
+    arithmetic (`_idown_experts`, EU divides N_SEL). EU 1 with DSTAGES > 1: the loop over the experts is
+    software-pipelined that deep (their ids, then their words and h tiles copied into shared memory with cp.async
+    DSTAGES - 1 experts ahead); Triton pipelines it only where each expert is one K-step (NB = N_BLOCKS)."""
     begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
@@ -614,7 +622,7 @@ def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_
         accs, accms = _idown_experts(QT, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
                                      row0, N, stride_e, accs, accms, SW, N_BLOCKS, N_SEL, R, NB, T, EU, EMU)
     else:
-        for i in range(N_SEL):
+        for i in tl.range(0, N_SEL, num_stages=DSTAGES):
             eid = tl.load(ids_ptr + i).to(tl.int64)
             start = eid * stride_e + row0.to(tl.int64) * SW
             xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
@@ -778,17 +786,28 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD, stages: int = 1) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
     residual / out: f32 [N] (out may be residual). experts_ahead: the experts whose loads a program issues before
-    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). Returns out."""
+    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). stages > 1
+    (experts_ahead ignored): the expert loop software-pipelined that deep, each expert in one K-step (the tile's NB
+    set to F / 256; `_idown_kernel` DSTAGES), where F / 256 is a power of two and rows x F <=
+    qmatvec.PIPE_MAX_WEIGHTS; elsewhere as stages 1. Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
     views, units, qt = _iviews(qtype, w_down, f)
-    eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
-    t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
+    n_blocks = f // 256
+    t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))  # the one-expert loop's tile
+    if stages > 1 and n_blocks & (n_blocks - 1) == 0 and t.rows * f <= PIPE_MAX_WEIGHTS:
+        eu, t = 1, t._replace(nb=n_blocks)  # one K-step per expert: the loop Triton pipelines
+    else:  # no one-K-step tile (a block count not a power of two, or rows too long): experts_ahead's loop
+        stages = 1
+        eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
+        t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU,
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU, DSTAGES=stages,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
     return out
