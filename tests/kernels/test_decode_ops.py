@@ -190,6 +190,19 @@ def test_attention_decode_rope(gen: torch.Generator, h: int, hkv: int, d: int, d
     close(out, want)
 
 
+def _step_inputs(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_ctx: int,
+                 cache_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One step's raw q [H*D] / k [Hkv*D] / v [Hkv*Dv] projections, full-width QK-norm weights, a RoPE table over
+    all D and random [n_ctx, Hkv, D|Dv] caches of cache_dtype."""
+    q = randn(gen, h * d, scale=2.0)
+    k, v = randn(gen, hkv * d), randn(gen, hkv * dv)
+    qw, kw = randn(gen, h * d), randn(gen, hkv * d)
+    table = ops.rope_table(n_ctx, d, 1000.0, 1.0, None, device=DEV)
+    k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
+    v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
+    return q, k, v, qw, kw, table, k_cache, v_cache
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [True, False], ids=str)
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
@@ -205,12 +218,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     output (f16 / bf16 / f32 caches, GQA, a window, one and several live splits (min_split 16), tiles of 16
     positions, the fused reduce and the reduce launch)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
-    q = randn(gen, h * d, scale=2.0)
-    k, v = randn(gen, hkv * d), randn(gen, hkv * dv)
-    qw, kw = randn(gen, h * d), randn(gen, hkv * d)
-    table = ops.rope_table(n_ctx, d, 1000.0, 1.0, None, device=DEV)
-    k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
-    v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
+    q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
     kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
     x24 = dv % 32 == 0
@@ -244,12 +252,7 @@ def test_attention_decode_pipelined(gen: torch.Generator, h: int, hkv: int, d: i
     after the barrier: kv_len 40 and 57 in one split of 16-position tiles, 80 in the second of two), a window, GQA,
     several live splits and the fused reduce. The cache rows outside this step's are NaN where never read."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
-    q = randn(gen, h * d, scale=2.0)
-    k, v = randn(gen, hkv * d), randn(gen, hkv * dv)
-    qw, kw = randn(gen, h * d), randn(gen, hkv * d)
-    table = ops.rope_table(n_ctx, d, 1000.0, 1.0, None, device=DEV)
-    k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
-    v_cache = randn(gen, n_ctx, hkv, dv).to(cache_dtype)
+    q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     q_rot, k2, v2 = nan(h, d), k_cache.clone(), v_cache.clone()
     kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
     ops.qk_norm_rope_store(q, k, v, qw, kw, table, kv_len_t - 1, k2, v2, q_rot, eps, "full", "neox")

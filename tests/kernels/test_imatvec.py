@@ -266,6 +266,19 @@ def test_moe_down_i(tile, words, device, rng) -> None:
         check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
 
 
+def _idown_case(qtype: int, n: int, f: int, gen, device) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """4 of 5 experts (one twice) of an [n, f] down product in the integer kernels' layout: moe_down_i's arguments
+    up to out, the float64 reference (x24's dequantized h) with the residual, and its error bound."""
+    w, dw = _iweights(qtype, (5, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    hq, hd = _x24(vec(gen, 4, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    return (w, hq, ids.to(device), wts.to(device), r.to(device)), ref, bound
+
+
 @pytest.mark.parametrize("qtype,f", [(Q4_K, 768), (Q4_K, 512), (Q6_K, 512), (Q8_0, 768)])
 def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     """Experts loaded ahead of their arithmetic (the default, 2; 3 -> 2; 4 of 4; every K-step unrolled): within the
@@ -274,15 +287,8 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     into FMAs differently in the two code shapes (measured on the H100: last-bit differences), so there within 1e-6
     of the bound."""
     gen, seed = rng
-    e, n = 5, 37
-    w, dw = _iweights(qtype, (e, n), f, gen, device)
-    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
-    hq, hd = _x24(vec(gen, 4, f), device)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
-    r = vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
-    args = (w, hq, ids.to(device), wts.to(device), r.to(device))
+    n = 37
+    args, ref, bound = _idown_case(qtype, n, f, gen, device)
     one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, experts_ahead=1)
     check_bound(one, ref, bound, seed, f"{T(qtype).name} idown one expert at a time")
     same_bits = qtype != Q4_K or torch.device(device).type == "cpu"
@@ -306,15 +312,8 @@ def test_moe_down_i_stages(qtype, f, stages, device, rng, monkeypatch) -> None:
     poisoned outputs. Where no one-K-step tile exists (F 768: 3 blocks; rows x F over PIPE_MAX_WEIGHTS) it is the
     default call's result."""
     gen, seed = rng
-    e, n = 5, 37
-    w, dw = _iweights(qtype, (e, n), f, gen, device)
-    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
-    hq, hd = _x24(vec(gen, 4, f), device)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
-    r = vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
-    args = (w, hq, ids.to(device), wts.to(device), r.to(device))
+    n = 37
+    args, ref, bound = _idown_case(qtype, n, f, gen, device)
     words = ik.WORDS_PER_THREAD if qtype == Q4_K else 8
     if f == 768:  # 3 blocks: no one-K-step tile of a power of two
         default = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, words=words)
