@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
+from support.kernel_checks import PIPE_STAGES, check_bound, quant_weights, vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import imatvec as ik  # noqa: E402
@@ -169,7 +169,7 @@ def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
 
 @pytest.mark.parametrize("qtype,tile", [(Q8_0, wk.WTile(2, 1)), (Q6_K, wk.WTile(1, 1)), (Q4_K, wk.WTile(2, 1)),
                                         (Q8_0, None)], ids=str)
-@pytest.mark.parametrize("k_stages", [2, 3])
+@pytest.mark.parametrize("k_stages", PIPE_STAGES)
 def test_moe_gate_up_i_k_stages(qtype, tile, k_stages, device, rng) -> None:
     """k_stages > 1 (the K loop software-pipelined: `kpipe`): the same sums as k_stages 1, bit for bit in the
     interpreter (on a GPU within the float64 bound: ptxas may contract the two builds differently), over 3 K-steps
@@ -305,7 +305,7 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
 
 
 @pytest.mark.parametrize("qtype,f", [(Q4_K, 1024), (Q6_K, 512), (Q8_0, 512), (Q4_K, 768)])
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", PIPE_STAGES)
 def test_moe_down_i_stages(qtype, f, stages, device, rng, monkeypatch) -> None:
     """stages > 1 (`dpipe`: the expert loop software-pipelined, each expert one K-step of F / 256 blocks): the
     one-expert loop's sums over that K-step (bit for bit in the interpreter; on a GPU within the float64 bound),

@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import triton  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
+from support.kernel_checks import PIPE_STAGES  # noqa: E402
 from support.kernel_checks import check_bound as _check  # noqa: E402
 from support.kernel_checks import quant_weights as _weights  # noqa: E402
 from support.kernel_checks import vec as _vec  # noqa: E402
@@ -70,7 +71,7 @@ def test_qmatvec(qtype, m, n_sb, small, res, device, rng) -> None:
     "qg,qu", [(q, q) for q in TYPES] + [(T.Q4_K, T.Q8_0), (T.Q6_K, T.F16)], ids=lambda t: t.name
 )
 def test_moe_gate_up(qg, qu, device, rng) -> None:
-    """Each type, and two mixed pairs; the small tile's 2 K-steps also software-pipelined (k_stages 2 and 3,
+    """Each type, and two mixed pairs; the small tile's 2 K-steps also software-pipelined (k_stages PIPE_STAGES,
     `kpipe`: the same sums, bit for bit in the interpreter; on a GPU within the float64 bound)."""
     gen, seed = rng
     e, f, k = 5, 37, 2 * SB
@@ -89,7 +90,7 @@ def test_moe_gate_up(qg, qu, device, rng) -> None:
         tile = Tile(4, 2 * SB // GEOMETRY[qg][0] // 2, 4) if small else None
         moe_gate_up(wg, wu, int(qg), int(qu), x.to(device), ids.to(device), out, act, tile=tile)
         _check(out, ref, bound, seed, f"gate_up {qg.name}/{qu.name} ids={ids_list} {act} tile={tile}")
-        for ks in (2, 3) if small else ():
+        for ks in PIPE_STAGES if small else ():
             piped = torch.full_like(out, float("nan"))
             moe_gate_up(wg, wu, int(qg), int(qu), x.to(device), ids.to(device), piped, act, tile=tile, k_stages=ks)
             _check(piped, ref, bound, seed, f"gate_up {qg.name}/{qu.name} k_stages={ks} tile={tile}")
@@ -131,7 +132,7 @@ def test_moe_down_experts_ahead(qtype, device, rng) -> None:
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", PIPE_STAGES)
 def test_moe_down_stages(qtype, stages, device, rng, monkeypatch) -> None:
     """stages > 1 (`dpipe`: the expert loop software-pipelined, each expert's row in one K-step): the sums of the
     one-expert loop over that one K-step (bit for bit in the interpreter; on a GPU within the float64 bound), 4 of
