@@ -798,11 +798,12 @@ def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.T
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
     views, units, qt = _iviews(qtype, w_down, f)
-    n_blocks = f // 256
-    t = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))  # the one-expert loop's tile
-    if stages > 1 and n_blocks & (n_blocks - 1) == 0 and t.rows * f <= PIPE_MAX_WEIGHTS:
-        eu, t = 1, t._replace(nb=n_blocks)  # one K-step per expert: the loop Triton pipelines
-    else:  # no one-K-step tile (a block count not a power of two, or rows too long): experts_ahead's loop
+    n_blocks, t = f // 256, None
+    if stages > 1:
+        t1 = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))  # the one-expert loop's tile
+        if n_blocks & (n_blocks - 1) == 0 and t1.rows * f <= PIPE_MAX_WEIGHTS:
+            eu, t = 1, t1._replace(nb=n_blocks)  # one K-step per expert: the loop Triton pipelines
+    if t is None:  # stages 1, or no one-K-step tile (a block count not a power of two, rows too long)
         stages = 1
         eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
         t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))

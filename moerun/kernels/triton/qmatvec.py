@@ -334,9 +334,9 @@ def moe_gate_up(
     (`_moe_gate_up_kernel` KSTAGES; the same sums). Returns out.
     """
     _check(qtype_gate)
+    _check(qtype_up)
     if k_stages < 1:
         raise ValueError(f"k_stages must be >= 1, got {k_stages}")
-    _check(qtype_up)
     f, k, n_sel = w_gate.shape[1], x.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
