@@ -100,18 +100,16 @@ class Case:
             self.res = torch.randn(m, device=dev)
             self.wts = torch.rand(N_SEL, device=dev)
 
-    def fns(self, tile: Q.Tile | None, ahead: int = Q.EXPERTS_AHEAD, stages: int = 1) -> list[Callable[[], object]]:
-        """The byte kernels (qmatvec.py); ahead: down's experts_ahead (F32 / F16 / BF16); stages: gate/up's
-        k_stages, down's stages (software-pipelined loops, `kpipe` / `dpipe`)."""
+    def fns(self, tile: Q.Tile | None, ahead: int = Q.EXPERTS_AHEAD) -> list[Callable[[], object]]:
+        """The byte kernels (qmatvec.py); ahead: down's experts_ahead (F32 / F16 / BF16)."""
         qt = self.qtype
         if self.kind == "mv":
             return [lambda w=w: Q.qmatvec(w, qt, self.x, self.out, self.res, tile=tile) for w in self.ws]
         if self.kind == "gate_up":
-            return [lambda w=w, w2=w2, i=i: Q.moe_gate_up(w, w2, qt, qt, self.x, i, self.out, "silu", tile=tile,
-                                                          k_stages=stages)
+            return [lambda w=w, w2=w2, i=i: Q.moe_gate_up(w, w2, qt, qt, self.x, i, self.out, "silu", tile=tile)
                     for w, w2, i in self.launches]
         return [lambda w=w, i=i: Q.moe_down(w, qt, self.x, i, self.wts, self.res, self.out, tile=tile,
-                                            experts_ahead=ahead, stages=stages)
+                                            experts_ahead=ahead)
                 for w, _, i in self.launches]
 
     def wfns(self, tile: W.WTile | None, copy: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -136,11 +134,9 @@ class Case:
                     for w, w2, i in launches]
         return [lambda w=w, i=i: fn(w, xp, i, self.wts, self.res, self.out, tile=tile) for w, _, i in launches]
 
-    def ifns(self, tile: W.WTile | None, words: int, ahead: int = Q.EXPERTS_AHEAD,
-             stages: int = 1) -> list[Callable[[], object]]:
+    def ifns(self, tile: W.WTile | None, words: int, ahead: int = Q.EXPERTS_AHEAD) -> list[Callable[[], object]]:
         """The integer-dot kernels (imatvec.py) on the same launches; x quantized once and the weights copied into
-        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region. ahead: down's experts_ahead;
-        stages: gate/up's k_stages, down's stages."""
+        the kernels' layout (Q6_K, Q8_0: imatvec.COPIES) outside the timed region. ahead: down's experts_ahead."""
         xq = I.quantize_x24(self.x)
         qt, copy = self.qtype, I.COPIES.get(self.qtype)
         done: dict[int, torch.Tensor] = self.__dict__.setdefault("_icopies", {})  # each weight tensor copied once
@@ -155,15 +151,15 @@ class Case:
                     for w in ws]
         if self.kind == "gate_up":
             return [lambda w=w, w2=w2, i=i: I.moe_gate_up_i(w, w2, xq, i, self.out, "silu", tile=tile, words=words,
-                                                            qtype=qt, k_stages=stages)
+                                                            qtype=qt)
                     for w, w2, i in launches]
         return [lambda w=w, i=i: I.moe_down_i(w, xq, i, self.wts, self.res, self.out, tile=tile, words=words,
-                                              qtype=qt, experts_ahead=ahead, stages=stages)
+                                              qtype=qt, experts_ahead=ahead)
                 for w, _, i in launches]
 
-    def icheck(self, tile: W.WTile | None, words: int, ahead: int = Q.EXPERTS_AHEAD, stages: int = 1) -> float:
+    def icheck(self, tile: W.WTile | None, words: int, ahead: int = Q.EXPERTS_AHEAD) -> float:
         """Largest |integer - word kernel| / max |word kernel| over one launch (same weights and x)."""
-        ifn, wfn = self.ifns(tile, words, ahead, stages)[0], self.wfns(None)[0]
+        ifn, wfn = self.ifns(tile, words, ahead)[0], self.wfns(None)[0]
         wfn()
         want = self.out.clone()
         ifn()
@@ -225,10 +221,6 @@ def main() -> None:
                     help="each --itiles tile of down (and the F32 / F16 / BF16 byte down) at each of these "
                          "experts_ahead (comma-separated: that many experts' loads before their arithmetic; "
                          f"default: the kernels' {Q.EXPERTS_AHEAD})")
-    ap.add_argument("--stages", default="1",
-                    help="gate/up's k_stages and down's stages to time (comma-separated; > 1: the software-pipelined "
-                         "loops of the `kpipe` / `dpipe` features), for the byte kernels' default tile and each "
-                         "--itiles tile")
     ap.add_argument("--wtiles", default="default,1x4x1x2,2x4x1x2,4x4x1x2,4x8x2x2,2x8x1x2,4x4x2x2,8x4x1x2",
                     help="Q4_K word-kernel tiles to time too: RxNBxWARPSxSTAGES or default ('' = none)")
     args = ap.parse_args()
@@ -258,12 +250,6 @@ def main() -> None:
                 ta = graph_time(case.fns(None, ahead))
                 row.setdefault("ahead", {})[ahead] = ta * 1e6
                 print(f"{name:5} {label:28} {ta * 1e6:8.2f} us {case.bytes / ta / 1e9:6.0f} GB/s experts_ahead {ahead}",
-                      flush=True)
-            stages = [int(s) for s in args.stages.split(",") if int(s) > 1] if case.kind in ("gate_up", "down") else []
-            for st in stages:
-                ts = graph_time(case.fns(None, stages=st))
-                row.setdefault("stages", {})[st] = ts * 1e6
-                print(f"{name:5} {label:28} {ts * 1e6:8.2f} us {case.bytes / ts / 1e9:6.0f} GB/s stages {st}",
                       flush=True)
             fns, nbytes = case.bf16_fns()
             tb = graph_time(fns)
@@ -296,16 +282,13 @@ def main() -> None:
                           f"{layout}", flush=True)
                     torch.cuda.empty_cache()
             specs = [w for w in args.itiles.split(",") if w] if qt in I.LAYOUTS else []
-            runs = [(sp, a, 1) for sp in specs for a in aheads] + [(sp, Q.EXPERTS_AHEAD, st) for sp in specs
-                                                                   for st in stages]
-            for spec, ahead, st in runs:
+            for spec, ahead in [(sp, a) for sp in specs for a in aheads]:
                 parts = [] if spec == "default" else [int(v) for v in spec.split("x")]
                 words = parts[4] if len(parts) > 4 else I.WORDS_PER_THREAD
                 it = W.WTile(*parts[:4]) if parts else None
-                err = case.icheck(it, words, ahead, st)
-                ti = graph_time(case.ifns(it, words, ahead, st))
+                err = case.icheck(it, words, ahead)
+                ti = graph_time(case.ifns(it, words, ahead))
                 key = spec if ahead == Q.EXPERTS_AHEAD else f"{spec}@ahead{ahead}"
-                key += f"@stages{st}" if st > 1 else ""
                 row.setdefault("int", {})[key] = [ti * 1e6, err]
                 print(f"{name:5} {label:28} {ti * 1e6:8.2f} us {case.bytes / ti / 1e9:6.0f} GB/s int {key} "
                       f"(rel. diff {err:.1e})", flush=True)

@@ -54,9 +54,8 @@ for stage in "$@"; do
     kernels) timeout 420 python3 -m pytest -q -x tests/kernels tests/quant 2>&1 | tail -5 | tee -a "$LOG" ;;
     micro) timeout 240 python3 benchmarks/bench_qmatvec.py 2>&1 | tee -a "$LOG" ;;
     micro:*) timeout 300 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" ${ITILES:+--wtiles "" --itiles "$ITILES"} \
-        ${KINDS:+--kinds "$KINDS"} ${AHEAD:+--ahead "$AHEAD"} ${STAGES:+--stages "$STAGES"} 2>&1 | tee -a "$LOG" ;;
-        # ITILES: the integer kernels' tiles only (bench_qmatvec.py --itiles); KINDS: of mv,gate_up,down,out; AHEAD:
-        # down's experts_ahead values; STAGES: gate/up's k_stages and down's stages (kpipe / dpipe)
+        ${KINDS:+--kinds "$KINDS"} ${AHEAD:+--ahead "$AHEAD"} 2>&1 | tee -a "$LOG" ;;  # ITILES: the integer kernels'
+        # tiles only (bench_qmatvec.py --itiles); KINDS: of mv,gate_up,down,out; AHEAD: down's experts_ahead values
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep ${KINDS:+--kinds "$KINDS"} --wtiles "" \
         --json "$OUT/sweep-${stage#*:}.json" 2>&1 | tee -a "$LOG" ;;
     synth:*) t=${stage#*:}; timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" \

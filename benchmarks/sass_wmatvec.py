@@ -38,7 +38,6 @@ IKERNELS = {"imv": "_imv_kernel", "imv6": "_imv_kernel", "imv8": "_imv_kernel", 
             "idown6": "_idown_kernel", "idown8": "_idown_kernel"}  # imatvec.py (Q4_K; *6 / *8: Q6_K / Q8_0 copies)
 ITYPES = {"6": 14, "8": 8}
 WORDS = ik.WORDS_PER_THREAD
-STAGES = 1  # --stages
 AHEAD = 2  # the integer down kernel's experts_ahead (its default, qmatvec.EXPERTS_AHEAD)
 
 
@@ -82,16 +81,16 @@ def record(kind: str, tile: wk.WTile) -> tuple[tuple, dict]:
             elif kind == "igate_up_route":  # as the decode step: routing from the logits, h quantized for down
                 wg = w(E, F, N)
                 ik.moe_gate_up_i(wg, wg, ik.X24.empty((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
-                                 words=WORDS, route=wk.Route(torch.zeros(E), torch.empty(TOPK), False), k_stages=STAGES,
+                                 words=WORDS, route=wk.Route(torch.zeros(E), torch.empty(TOPK), False),
                                  h_out=ik.X24.empty((TOPK, F), cpu),
                                  counters=torch.zeros(TOPK * F // 32, dtype=torch.int32))
             elif kind.startswith("igate_up"):
                 wg = w(E, F, N)
                 ik.moe_gate_up_i(wg, wg, ik.X24.empty((N,), cpu), ids, torch.empty(TOPK, F), qtype=qt, tile=tile,
-                                 words=WORDS, k_stages=STAGES)
+                                 words=WORDS)
             else:
                 ik.moe_down_i(w(E, N, F), ik.X24.empty((TOPK, F), cpu), ids, torch.ones(TOPK), torch.zeros(N),
-                              torch.empty(N), qtype=qt, tile=tile, words=WORDS, experts_ahead=AHEAD, stages=STAGES)
+                              torch.empty(N), qtype=qt, tile=tile, words=WORDS, experts_ahead=AHEAD)
         elif kind == "mv":
             wk.qmatvec_w(_q4k(N, N), torch.zeros(N), torch.empty(N), tile=tile)
         elif kind == "mv6":
@@ -143,14 +142,11 @@ def main() -> None:
     ap.add_argument("--kinds", default="mv,gate_up,down", help=f"of {', '.join([*KERNELS, *IKERNELS])}")
     ap.add_argument("--words", type=int, default=ik.WORDS_PER_THREAD, help="imatvec's qs words per thread")
     ap.add_argument("--order", action="store_true", help="also each kernel's loads / barriers / dots in SASS order")
-    ap.add_argument("--stages", type=int, default=1,
-                    help="the integer gate/up's k_stages and down's stages (> 1: software-pipelined loops, `kpipe` / "
-                         "`dpipe`; the loop column then counts the whole kernel, cp.async copies as LDGSTS)")
     ap.add_argument("--ahead", type=int, default=2,
                     help="the integer down kernel's experts_ahead (> 1: no K loop; the whole kernel is counted)")
     args = ap.parse_args()
-    global WORDS, AHEAD, STAGES
-    WORDS, AHEAD, STAGES = args.words, args.ahead, args.stages
+    global WORDS, AHEAD
+    WORDS, AHEAD = args.words, args.ahead
     cols = ["LDG", "LDS", "STS", "BAR", "I2F", "IALU", "MOV", "FP32", "FP16", "CTRL", "other"]
     print("| kernel | tile | regs | spill B | shared B | LDGSTS | loop instr | /weight | " + " | ".join(cols) + " |")
     print("|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(cols))
@@ -165,7 +161,7 @@ def main() -> None:
             body = main_loop(sass)
             # weights a loop trip decodes
             per_trip = tile.rows * kw["NB"] * 256 * (2 if "gate_up" in kind else 1)
-            if kw.get("EU", 1) > 1 or STAGES > 1:  # unrolled or pipelined loops: the whole kernel, all its weights
+            if kw.get("EU", 1) > 1:  # experts ahead: every loop unrolled; the whole kernel and all its weights
                 body = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
                 body = [op for op in body if op != "NOP"]
                 per_trip = tile.rows * kw["N_BLOCKS"] * 256 * kw["N_SEL"]

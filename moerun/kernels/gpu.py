@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-TUNED_GPUS = ("H200",)  # name substrings of the GPUs the decode tiles were measured on
+# name substrings of the GPUs the decode tiles were measured on (H100: the default tiles fastest of bench_qmatvec's
+# candidates for Q4_K and Q8_0 gate/up and down, NOTES.md 8g)
+TUNED_GPUS = ("H200", "H100")
 MIN_CAPABILITY = (8, 0)  # Ampere: the oldest architecture the kernels are written for (dp4a, bf16, cp.async)
 CPU_SMS = 4  # the CPU interpreter: few, big programs
 
@@ -27,7 +29,6 @@ class GPU:
     capability: tuple[int, int]
     sm_count: int
     l2_bytes: int
-    smem_per_sm: int = 0  # shared memory per SM in bytes (0: not reported)
 
     @property
     def tuned(self) -> bool:
@@ -41,8 +42,7 @@ class GPU:
 @functools.cache
 def _gpu(index: int) -> GPU:
     p = torch.cuda.get_device_properties(index)
-    return GPU(p.name, (p.major, p.minor), p.multi_processor_count, int(getattr(p, "L2_cache_size", 0)),
-               int(getattr(p, "shared_memory_per_multiprocessor", 0)))
+    return GPU(p.name, (p.major, p.minor), p.multi_processor_count, int(getattr(p, "L2_cache_size", 0)))
 
 
 def _index(device: torch.device) -> int:

@@ -22,19 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "wpre": "the RMSNorm and norm + router kernels load their weights before the PDL wait for the kernel before "
-            "(decode_ops.rms_norm / norm_router w_pre)",
-    "attnpipe": "the attention's tiles after a split's first are loaded in pairs, software-pipelined through "
-                "shared memory (decode_ops.attention_decode stages=3)",
-    "kpipe": "the gate/up kernels' K loops (integer and byte kernels) software-pipelined 2 deep through shared "
-             "memory (imatvec.moe_gate_up_i / qmatvec.moe_gate_up k_stages=2): Q8_0, Q6_K, F16 and BF16 gate/up",
-    "dpipe": "the down kernels' loops over the chosen experts software-pipelined 3 deep through shared memory, "
-             "each expert in one K-step, in place of 2 experts' loads at a time (imatvec.moe_down_i / "
-             "qmatvec.moe_down stages=3)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"wpre": {"w_pre": True}, "attnpipe": {"attn_stages": 3},
-                                           "kpipe": {"k_stages": 2}, "dpipe": {"down_stages": 3}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -41,31 +41,21 @@ class TritonOps:
     before their arithmetic (`experts_ahead` of `imatvec.moe_down_i` and `qmatvec.moe_down`; 1: one at a time).
     pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
     each lets the next one launch, then waits for the one before, so launches overlap the kernel before them
-    (the integer matvecs load their first K-step's weights before that wait).
-    w_pre: the RMSNorm and norm + router kernels load their weights before that wait (`decode_ops.rms_norm` w_pre).
-    attn_stages: the attention's tiles after a split's first go in pipelined pairs (`decode_ops.attention_decode`
-    stages; 0: one at a time).
-    k_stages: the gate/up kernels' K loops (integer and byte kernels) software-pipelined that deep (1: not).
-    down_stages: the down kernels' loops over the chosen experts software-pipelined that deep, each expert in one
-    K-step (`imatvec.moe_down_i` / `qmatvec.moe_down` stages; 1: `down_ahead`'s groups instead)."""
+    (the integer matvecs load their first K-step's weights before that wait, the RMSNorm and norm + router
+    kernels their weights)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, w_pre: bool = False, attn_stages: int = 0, k_stages: int = 1,
-                 down_stages: int = 1) -> None:
+                 pdl: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
         self.pdl = pdl
-        self.w_pre = w_pre
-        self.attn_stages = attn_stages
-        self.k_stages = k_stages
-        self.down_stages = down_stages
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -173,7 +163,7 @@ class TritonOps:
                 and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate, k_stages=self.k_stages)
+                                    counters=cnt, qtype=qtype_gate)
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -183,23 +173,21 @@ class TritonOps:
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
         if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
-        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
-                              k_stages=self.k_stages)
+        return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
             return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype,
-                                 experts_ahead=self.down_ahead, stages=self.down_stages)
+                                 experts_ahead=self.down_ahead)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
             return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead,
-                           stages=self.down_stages)
+        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead)
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""
@@ -216,7 +204,7 @@ class TritonOps:
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
                  out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> torch.Tensor:
-        return dk.rms_norm(x, w, eps, out, out_perm, out_x24, w_pre=self.w_pre)
+        return dk.rms_norm(x, w, eps, out, out_perm, out_x24)
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -230,7 +218,7 @@ class TritonOps:
             if xn_x24 is not None:
                 ik.quantize_x24(xn, xn_x24)
             return out
-        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm, xn_x24, w_pre=self.w_pre)
+        return dk.norm_router(x, norm_w, eps, w_router, out, xn, xn_perm, xn_x24)
 
     @staticmethod
     def route_topk(logits: torch.Tensor, k: int, renormalise: bool, weights_out: torch.Tensor,
@@ -271,8 +259,7 @@ class TritonOps:
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
-                            stages=self.attn_stages)
+                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out))
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -286,7 +273,7 @@ class TritonOps:
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out), stages=self.attn_stages)
+                            out_x24=out_x24, counters=self._attn_counters(out))
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -181,7 +181,8 @@ def test_make_ops_names() -> None:
     assert parse_ops("triton") == ("triton", ()) and parse_ops("triton-bytes") == ("triton-bytes", ())
     with pytest.raises(MoerunError, match=r"unknown decode ops feature 'fast' in 'triton\+fast'; features: "):
         make_ops("triton+fast")
-    for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre"):
+    for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
+                 "wpre", "attnpipe", "kpipe", "dpipe"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -197,7 +198,6 @@ def test_make_ops_names() -> None:
     from moerun.kernels.triton import decode_ops as dk
 
     assert t.pdl and make_ops("triton-bytes").pdl and not make_ops("triton-nopdl").pdl
-    assert make_ops("triton+wpre").w_pre and make_ops("triton-bytes+wpre").w_pre and not t.w_pre  # NOTES.md 8b
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
     assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
                                                                          programs_per_sm=3)

@@ -68,22 +68,6 @@ def test_rms_norm_rows(gen: torch.Generator) -> None:
     close(out, ref.rms_norm(x, w, 1e-5))
 
 
-@pytest.mark.parametrize("n", [129, 2048])
-def test_rms_norm_w_pre(gen: torch.Generator, n: int) -> None:
-    """w_pre (the weight loaded before the PDL wait, ops feature wpre): the same outputs bit for bit, the permuted
-    and quantized copies included; several rows."""
-    x, w = randn(gen, 3, n, scale=3.0), randn(gen, n)
-    extra = n % 256 == 0
-    want, got = nan(3, n), nan(3, n)
-    wp, gp = (nan(3, n), nan(3, n)) if extra else (None, None)
-    w24, g24 = (poisoned_x24(3, n), poisoned_x24(3, n)) if extra else (None, None)
-    ops.rms_norm(x, w, 1e-6, want, out_perm=wp, out_x24=w24)
-    ops.rms_norm(x, w, 1e-6, got, out_perm=gp, out_x24=g24, w_pre=True)
-    assert torch.equal(got, want)
-    if extra:
-        assert torch.equal(gp, wp) and all(torch.equal(a, b) for a, b in zip(g24, w24, strict=True))
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -238,69 +222,6 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
         check_x24(out24, out.reshape(-1))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("stages,group", [(3, 2), (2, 3)])
-@pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
-    (2, 1, 32, 32, 1, 40, 0), (2, 2, 32, 32, 1, 57, 0), (3, 1, 16, 16, 2, 80, 0), (4, 2, 32, 16, 3, 90, 24),
-    (2, 2, 64, 64, 5, 33, 0), (2, 2, 32, 32, 4, 1, 0)])
-def test_attention_decode_pipelined(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
-                                    kv_len: int, window: int, stages: int, group: int,
-                                    cache_dtype: torch.dtype) -> None:
-    """attention_decode(stages > 0): a split's tiles after its first go `group` at a time through Triton's
-    software pipeline; the partial last group is masked. Bit for bit what stages 0 gives (the same sums in the same
-    order; a masked tile scales by exp2(0) and adds 0), with RoPE (this step's row read back in a pipelined tile
-    after the barrier: kv_len 40 and 57 in one split of 16-position tiles, 80 in the second of two), a window, GQA,
-    several live splits and the fused reduce. The cache rows outside this step's are NaN where never read."""
-    n_ctx, eps, scale = 96, 1e-6, d ** -0.5
-    q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
-    q_rot, k2, v2 = nan(h, d), k_cache.clone(), v_cache.clone()
-    kv_len_t = torch.tensor([kv_len], device=DEV, dtype=torch.int64)
-    ops.qk_norm_rope_store(q, k, v, qw, kw, table, kv_len_t - 1, k2, v2, q_rot, eps, "full", "neox")
-    want = ref.attention(q_rot[None], k2[:kv_len].float(), v2[:kv_len].float(),
-                         torch.tensor([kv_len - 1], device=DEV), scale, window)[0]
-    start = max(0, kv_len - window) if window else 0
-    k_cache[:start], k_cache[kv_len - 1:] = float("nan"), float("nan")  # never read, or this step's row
-    v_cache[:start], v_cache[kv_len - 1:] = float("nan"), float("nan")
-    outs = {}
-    for st in (0, stages):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        scratch = tuple(t.fill_(float("nan")) for t in ops.attention_scratch(h, dv, n_splits, DEV))
-        outs[st] = nan(h, dv)
-        ops.attention_decode(q.view(h, d), kc, vc, kv_len_t, scale, window, outs[st], scratch, block_n=16,
-                             min_split=16, counters=torch.zeros(h, dtype=torch.int32, device=DEV),
-                             rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox"), stages=st, group=group)
-        if st == 0:
-            want_k, want_v = kc, vc
-        else:
-            assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0))
-            assert torch.equal(vc.nan_to_num(7.0), want_v.nan_to_num(7.0))
-    close(outs[stages], want)
-    if DEV == "cpu":  # the interpreter: the same arithmetic; a GPU build may contract it differently
-        assert torch.equal(outs[stages], outs[0])
-    else:
-        close(outs[stages], outs[0])
-
-
-def test_attention_stages_fit_shared_memory() -> None:
-    """The pipeline depth leaves room for the split policy's programs per SM: f16 at D = 128 keeps 3 stages on a
-    228 KB SM (3 programs x 2 buffers of 32 KB), f32 gets 2, a 100 KB SM (Ada) none for f32; unreported: as asked."""
-    sm = 228 * 1024
-    assert ops.attention_stages(3, 64, 128, 128, 2, 2, sm) == 3
-    assert ops.attention_stages(3, 64, 128, 128, 4, 4, sm) == 2
-    assert ops.attention_stages(3, 64, 128, 128, 4, 4, 100 * 1024) == 0
-    assert ops.attention_stages(5, 64, 128, 128, 2, 2, sm) == 3
-    assert ops.attention_stages(0, 64, 128, 128, 2, 2, sm) == 0
-    assert ops.attention_stages(3, 64, 128, 128, 4, 4, 0) == 3
-
-
-def test_attention_decode_stages_checked() -> None:
-    q = torch.zeros(2, 16, device=DEV)
-    cache = torch.zeros(8, 2, 16, device=DEV)
-    with pytest.raises(ValueError, match="stages must be >= 0 and group >= 1"):
-        ops.attention_decode(q, cache, cache, torch.tensor([3], device=DEV), 1.0, 0, q.clone(),
-                             ops.attention_scratch(2, 16, 1, DEV), stages=3, group=0)
-
-
 def _attention_into(gen: torch.Generator, **outputs) -> torch.Tensor:
     """One small attention_decode (4 heads of 64, 2 KV heads, 9 cached positions, 2 splits) writing its extra
     `outputs` (out_perm / out_x24) too; returns out [4, 64]."""
@@ -421,15 +342,6 @@ def test_norm_router(gen: torch.Generator, e: int, n: int, perm: bool) -> None:
     if x24 is not None:
         check_x24(x24, want_xn)
     close(logits, (w.double() @ want_xn.double()).float())
-    # w_pre (the norm weight and router row loaded before the PDL wait, ops feature wpre): the same bits
-    logits2, xn2 = nan(e), nan(n)
-    xp2, x242 = (nan(n) if perm else None), (poisoned_x24(n) if x24 is not None else None)
-    ops.norm_router(x, nw, 1e-6, w, logits2, xn2, xp2, x242, w_pre=True)
-    assert torch.equal(logits2, logits) and torch.equal(xn2, xn)
-    if perm:
-        assert torch.equal(xp2, xp)
-    if x24 is not None:
-        assert all(torch.equal(a, b) for a, b in zip(x242, x24, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-from support.kernel_checks import PIPE_STAGES, check_bound, quant_weights, vec  # noqa: E402
+from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import imatvec as ik  # noqa: E402
@@ -167,34 +167,6 @@ def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
         check_bound(out, a * u, bound, seed, f"{T(qtype).name} igate_up ids={ids_list} {act} tile={tile}")
 
 
-@pytest.mark.parametrize("qtype,tile", [(Q8_0, wk.WTile(2, 1)), (Q6_K, wk.WTile(1, 1)), (Q4_K, wk.WTile(2, 1)),
-                                        (Q8_0, None)], ids=str)
-@pytest.mark.parametrize("k_stages", PIPE_STAGES)
-def test_moe_gate_up_i_k_stages(qtype, tile, k_stages, device, rng) -> None:
-    """k_stages > 1 (the K loop software-pipelined: `kpipe`): the same sums as k_stages 1, bit for bit in the
-    interpreter (on a GPU within the float64 bound: ptxas may contract the two builds differently), over 3 K-steps
-    of one block (k 768, tiles of NB 1) and the default tile."""
-    gen, seed = rng
-    e, f, k = 5, 37, 768
-    wg, dg = _iweights(qtype, (e, f), k, gen, device)
-    wu, du = _iweights(qtype, (e, f), k, gen, device)
-    xq, xd = _x24(vec(gen, k), device)
-    ids = torch.tensor([4, 1, 4], dtype=torch.int32)
-    g, u = dg[ids] @ xd, du[ids] @ xd
-    a = ACTIVATIONS["silu"](g)
-    bound = 1.2 * (dg[ids].abs() @ xd.abs()) * u.abs() + a.abs() * (du[ids].abs() @ xd.abs())
-    outs = []
-    for ks in (1, k_stages):
-        outs.append(torch.full((3, f), float("nan"), device=device))
-        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), outs[-1], tile=tile, words=8 if qtype != Q4_K else
-                         ik.WORDS_PER_THREAD, qtype=qtype, k_stages=ks)
-    check_bound(outs[1], a * u, bound, seed, f"{T(qtype).name} igate_up k_stages={k_stages} tile={tile}")
-    if device.type == "cpu":
-        assert torch.equal(outs[1], outs[0])
-    with pytest.raises(ValueError, match="k_stages must be >= 1"):
-        ik.moe_gate_up_i(wg, wu, xq, ids.to(device), outs[0], qtype=qtype, k_stages=0)
-
-
 @pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
 def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
     """h_out: the launch also quantizes h for the integer down (each 32-value group by the last of its programs to
@@ -266,19 +238,6 @@ def test_moe_down_i(tile, words, device, rng) -> None:
         check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
 
 
-def _idown_case(qtype: int, n: int, f: int, gen, device) -> tuple[tuple, torch.Tensor, torch.Tensor]:
-    """4 of 5 experts (one twice) of an [n, f] down product in the integer kernels' layout: moe_down_i's arguments
-    up to out, the float64 reference (x24's dequantized h) with the residual, and its error bound."""
-    w, dw = _iweights(qtype, (5, n), f, gen, device)
-    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
-    hq, hd = _x24(vec(gen, 4, f), device)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
-    r = vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
-    return (w, hq, ids.to(device), wts.to(device), r.to(device)), ref, bound
-
-
 @pytest.mark.parametrize("qtype,f", [(Q4_K, 768), (Q4_K, 512), (Q6_K, 512), (Q8_0, 768)])
 def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     """Experts loaded ahead of their arithmetic (the default, 2; 3 -> 2; 4 of 4; every K-step unrolled): within the
@@ -287,8 +246,15 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     into FMAs differently in the two code shapes (measured on the H100: last-bit differences), so there within 1e-6
     of the bound."""
     gen, seed = rng
-    n = 37
-    args, ref, bound = _idown_case(qtype, n, f, gen, device)
+    e, n = 5, 37
+    w, dw = _iweights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    hq, hd = _x24(vec(gen, 4, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    args = (w, hq, ids.to(device), wts.to(device), r.to(device))
     one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, experts_ahead=1)
     check_bound(one, ref, bound, seed, f"{T(qtype).name} idown one expert at a time")
     same_bits = qtype != Q4_K or torch.device(device).type == "cpu"
@@ -302,42 +268,6 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
             assert torch.equal(out, one), f"experts_ahead={ahead} differs from the one-expert loop"
         else:
             check_bound(out, one.cpu().double(), bound, seed, f"experts_ahead={ahead} against one", tol=1e-6)
-
-
-@pytest.mark.parametrize("qtype,f", [(Q4_K, 1024), (Q6_K, 512), (Q8_0, 512), (Q4_K, 768)])
-@pytest.mark.parametrize("stages", PIPE_STAGES)
-def test_moe_down_i_stages(qtype, f, stages, device, rng, monkeypatch) -> None:
-    """stages > 1 (`dpipe`: the expert loop software-pipelined, each expert one K-step of F / 256 blocks): the
-    one-expert loop's sums over that K-step (bit for bit in the interpreter; on a GPU within the float64 bound),
-    poisoned outputs. Where no one-K-step tile exists (F 768: 3 blocks; rows x F over PIPE_MAX_WEIGHTS) it is the
-    default call's result."""
-    gen, seed = rng
-    n = 37
-    args, ref, bound = _idown_case(qtype, n, f, gen, device)
-    words = ik.WORDS_PER_THREAD if qtype == Q4_K else 8
-    if f == 768:  # 3 blocks: no one-K-step tile of a power of two
-        default = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, words=words)
-        out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, stages=stages,
-                            words=words)
-        check_bound(out, ref, bound, seed, f"{T(qtype).name} idown stages={stages} F={f}")
-        assert torch.equal(out, default)
-        return
-    one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, experts_ahead=1,
-                        tile=wk.WTile(2, f // 256), words=words)
-    for tile in (wk.WTile(2, f // 256), wk.WTile(2, 1)):  # the second's NB is replaced by F / 256
-        out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, stages=stages,
-                            tile=tile, words=words)
-        check_bound(out, ref, bound, seed, f"{T(qtype).name} idown stages={stages} tile={tile}")
-        if torch.device(device).type == "cpu":
-            assert torch.equal(out, one), f"stages={stages} tile={tile} differs from the one-expert loop"
-    monkeypatch.setattr(ik, "PIPE_MAX_WEIGHTS", 2 * f - 1)  # 2 rows x F over it: the default's loop, its K-steps
-    plain = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype,
-                          tile=wk.WTile(2, 1), words=words)
-    out = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, stages=stages,
-                        tile=wk.WTile(2, 1), words=words)
-    assert torch.equal(out, plain)
-    with pytest.raises(ValueError, match="stages must be >= 1"):
-        ik.moe_down_i(*args, out, qtype=qtype, stages=0)
 
 
 def test_qmatvec_i2(device, rng) -> None:

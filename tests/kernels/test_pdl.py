@@ -42,10 +42,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moerun.kernels.triton import decode_ops as dk, imatvec as ik
 pdl = sys.argv[1] == "1"
-if sys.argv[2].startswith("rms_norm"):  # rms_norm_wpre: the weight loaded before the wait
-    fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl,
-                                       "WPRE": sys.argv[2].endswith("wpre")}
+if sys.argv[2] == "rms_norm":  # the weight loaded before the wait
+    fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
     types = {"eps": "fp32", "N": "i32"}
+elif sys.argv[2] == "argmax":  # the logits: nothing before the wait
+    fn, consts = dk._argmax_chunk_kernel, {"CHUNK": 2048, "PDL": pdl}
+    types = {"idx_ptr": "*i32", "V": "i32"}
 else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
     fn = ik._imv_kernel
     consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl)
@@ -58,7 +60,7 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
 
 
 def _ptx(kernel: str, pdl: bool) -> str:
-    """The PTX of `kernel` (rms_norm, rms_norm_wpre or imv) for sm_90, compiled in a process without the
+    """The PTX of `kernel` (rms_norm, argmax or imv) for sm_90, compiled in a process without the
     interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _COMPILE, str(int(pdl)), kernel], capture_output=True,
@@ -67,14 +69,14 @@ def _ptx(kernel: str, pdl: bool) -> str:
     return r.stdout
 
 
-@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_wpre", "imv"])
+@pytest.mark.parametrize("kernel", ["rms_norm", "argmax", "imv"])
 @pytest.mark.parametrize("on", [False, True])
 def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     """A PDL kernel (each starts with `pdl.begin`, or `trigger` / `wait`) compiled for sm_90: with PDL its PTX lets
-    the next kernel launch, then waits before its first global load or store; the integer matvec (`_imv_kernel`)
-    loads its first weights before the wait (nothing in the step writes them), and stores nothing before it, as
-    does the RMSNorm with WPRE (ops feature wpre); without PDL neither instruction."""
-    pre = kernel in ("imv", "rms_norm_wpre")
+    the next kernel launch, then waits before it reads anything the kernel before writes and before any store: the
+    argmax chunk before its first load; the integer matvec (`_imv_kernel`) and the RMSNorm load their weights before
+    the wait (nothing in the step writes them); without PDL neither instruction."""
+    pre = kernel in ("imv", "rms_norm")
     ptx = _ptx(kernel, on)
     first = re.search(r"\b(ld|st)\.global", ptx)
     store = re.search(r"\bst\.global", ptx)

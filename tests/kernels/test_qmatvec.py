@@ -15,15 +15,12 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import triton  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from support.kernel_checks import PIPE_STAGES  # noqa: E402
 from support.kernel_checks import check_bound as _check  # noqa: E402
 from support.kernel_checks import quant_weights as _weights  # noqa: E402
 from support.kernel_checks import vec as _vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
-from moerun.kernels.triton import qmatvec as qk  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, Tile, moe_down, moe_gate_up, qmatvec  # noqa: E402
 
 # silu / gelu_tanh divide by 1 + exp(-z): exp overflows to inf for very negative inputs (exactly right)
@@ -71,8 +68,6 @@ def test_qmatvec(qtype, m, n_sb, small, res, device, rng) -> None:
     "qg,qu", [(q, q) for q in TYPES] + [(T.Q4_K, T.Q8_0), (T.Q6_K, T.F16)], ids=lambda t: t.name
 )
 def test_moe_gate_up(qg, qu, device, rng) -> None:
-    """Each type, and two mixed pairs; the small tile's 2 K-steps also software-pipelined (k_stages PIPE_STAGES,
-    `kpipe`: the same sums, bit for bit in the interpreter; on a GPU within the float64 bound)."""
     gen, seed = rng
     e, f, k = 5, 37, 2 * SB
     wg, dg = _weights(qg, (e, f), k, gen, device)
@@ -90,28 +85,27 @@ def test_moe_gate_up(qg, qu, device, rng) -> None:
         tile = Tile(4, 2 * SB // GEOMETRY[qg][0] // 2, 4) if small else None
         moe_gate_up(wg, wu, int(qg), int(qu), x.to(device), ids.to(device), out, act, tile=tile)
         _check(out, ref, bound, seed, f"gate_up {qg.name}/{qu.name} ids={ids_list} {act} tile={tile}")
-        for ks in PIPE_STAGES if small else ():
-            piped = torch.full_like(out, float("nan"))
-            moe_gate_up(wg, wu, int(qg), int(qu), x.to(device), ids.to(device), piped, act, tile=tile, k_stages=ks)
-            _check(piped, ref, bound, seed, f"gate_up {qg.name}/{qu.name} k_stages={ks} tile={tile}")
-            if device.type == "cpu":
-                assert torch.equal(piped, out), f"k_stages={ks}"
-    with pytest.raises(ValueError, match="k_stages must be >= 1"):
-        moe_gate_up(wg, wu, int(qg), int(qu), x.to(device), ids.to(device), out, k_stages=0)
 
 
-def _down_case(qtype, n: int, f: int, gen, device) -> tuple[tuple, torch.Tensor, torch.Tensor]:
-    """4 of 5 experts (one twice) of an [n, f] down product: moe_down's arguments up to out, the float64 reference
-    with the residual, and its error bound."""
-    w, dw = _weights(qtype, (5, n), f, gen, device)
-    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
-    h = _vec(gen, 4, f)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
-    r = _vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], h.double())).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(),
-                                                                      h.double().abs())).sum(0)
-    return (w, int(qtype), h.to(device), ids.to(device), wts.to(device), r.to(device)), ref, bound
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_moe_down(qtype, device, rng) -> None:
+    gen, seed = rng
+    e, n, f = 5, 37, 3 * SB
+    w, dw = _weights(qtype, (e, n), f, gen, device)
+    for ids_list, dtype, small in [([3, 0, 3], torch.int32, False), ([1], torch.int64, True)]:
+        n_sel = len(ids_list)
+        ids = torch.tensor(ids_list, dtype=dtype)
+        h = _vec(gen, n_sel, f)
+        wts = torch.from_numpy(gen.uniform(0.05, 1.0, n_sel).astype(np.float32))
+        r = _vec(gen, n)
+        parts = torch.einsum("snf,sf->sn", dw[ids], h.double())  # [n_sel, N]
+        bounds = torch.einsum("snf,sf->sn", dw[ids].abs(), h.double().abs())
+        ref = r.double() + (wts.double()[:, None] * parts).sum(0)
+        bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
+        out = r.to(device)  # out aliases residual
+        tile = _small_tile(qtype) if small else None
+        moe_down(w, int(qtype), h.to(device), ids.to(device), wts.to(device), out, out, tile=tile)
+        _check(out, ref, bound, seed, f"down {qtype.name} ids={ids_list} tile={tile}")
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32, T.Q4_K], ids=lambda t: t.name)
@@ -120,8 +114,16 @@ def test_moe_down_experts_ahead(qtype, device, rng) -> None:
     loop, with three K-steps (a small tile) and one longer than K (the default tile: 1,024 of 768, masked), 2 / 3
     (-> 2) / 4 of 4 experts ahead, poisoned outputs."""
     gen, seed = rng
-    n, f = 37, 3 * SB
-    args, ref, bound = _down_case(qtype, n, f, gen, device)
+    e, n, f = 5, 37, 3 * SB
+    w, dw = _weights(qtype, (e, n), f, gen, device)
+    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    h = _vec(gen, 4, f)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = _vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], h.double())).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(),
+                                                                      h.double().abs())).sum(0)
+    args = (w, int(qtype), h.to(device), ids.to(device), wts.to(device), r.to(device))
     for tile in (None, Tile(block_m=4, nb=256 // GEOMETRY[qtype][0], num_warps=2)):
         one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile, experts_ahead=1)
         for ahead in (None, 2, 3, 4):  # None: the default, EXPERTS_AHEAD
@@ -129,33 +131,6 @@ def test_moe_down_experts_ahead(qtype, device, rng) -> None:
             moe_down(*args, out, tile=tile, **({} if ahead is None else {"experts_ahead": ahead}))
             _check(out, ref, bound, seed, f"down {qtype.name} experts_ahead={ahead} tile={tile}")
             assert torch.equal(out, one), f"{qtype.name} experts_ahead={ahead} tile={tile}"
-
-
-@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("stages", PIPE_STAGES)
-def test_moe_down_stages(qtype, stages, device, rng, monkeypatch) -> None:
-    """stages > 1 (`dpipe`: the expert loop software-pipelined, each expert's row in one K-step): the sums of the
-    one-expert loop over that one K-step (bit for bit in the interpreter; on a GPU within the float64 bound), 4 of
-    5 experts, poisoned outputs; rows longer than PIPE_MAX_WEIGHTS per program keep the plain loop."""
-    gen, seed = rng
-    n, f = 37, 3 * SB
-    args, ref, bound = _down_case(qtype, n, f, gen, device)
-    bs = GEOMETRY[qtype][0]
-    tile = Tile(block_m=4, nb=triton.next_power_of_2(f // bs), num_warps=2)  # one K-step, what stages > 1 uses
-    one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile, experts_ahead=1)
-    for t in (tile, Tile(block_m=4, nb=256 // bs, num_warps=2)):  # the second's nb is replaced by the row's
-        out = torch.full((n,), float("nan"), device=device)
-        moe_down(*args, out, tile=t, stages=stages)
-        _check(out, ref, bound, seed, f"down {qtype.name} stages={stages} tile={t}")
-        if device.type == "cpu":
-            assert torch.equal(out, one), f"{qtype.name} stages={stages} tile={t}"
-    small = Tile(block_m=4, nb=256 // bs, num_warps=2)
-    monkeypatch.setattr(qk, "PIPE_MAX_WEIGHTS", 4 * f - 1)  # 4 rows x F over it: the plain loop, its K-steps
-    plain = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=small, experts_ahead=1)
-    out = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=small, stages=stages)
-    assert torch.equal(out, plain)
-    with pytest.raises(ValueError, match="stages must be >= 1"):
-        moe_down(*args, out, stages=0)
 
 
 def test_deterministic(device, rng) -> None:

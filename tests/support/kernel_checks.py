@@ -12,9 +12,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from moerun.quant import dequantize, random_blocks
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# software-pipelining depths the `kpipe` / `dpipe` tests compare with 1: on a GPU two different schedules; the CPU
-# interpreter ignores num_stages, so one depth covers its (identical) arithmetic
-PIPE_STAGES = [2, 3] if DEV.type == "cuda" else [3]
 RTOL = 1e-5
 
 

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
-from moerun.kernels.gpu import gpu
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 
@@ -38,21 +37,18 @@ def _np2(n: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, BLOCK: tl.constexpr,
-                     PERM: tl.constexpr, X24: tl.constexpr, WPRE: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
     in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with X24
-    quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0). WPRE: w is loaded before the PDL wait
-    (nothing in a step writes weights), x after it."""
+    quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0). w is loaded before the PDL wait (nothing in
+    a step writes weights: its round trip overlaps the kernel before; NOTES.md 8g), x after it."""
     trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    if WPRE:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     wait(PDL)
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
-    if not WPRE:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
     y = x * r * w
     tl.store(out_ptr + row * N + offs, y, mask=mask)
@@ -65,12 +61,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None, out_x24: Any = None, w_pre: bool = False) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
     out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_x24 (an
-    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels. w_pre: w is loaded before
-    the PDL wait (ops feature wpre; the same arithmetic)."""
+    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
@@ -78,7 +73,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
     xa = x24_args(out_x24, n, "out_x24", out)
     _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
-                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None, WPRE=w_pre,
+                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
                               num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
     return out
 
@@ -266,24 +261,6 @@ NO_WINDOW = 1 << 30
 # programs per SM the split policy aims at: the split kernel's 160 registers (sm_90, OLMoE's shape, NOTES.md 7z) leave
 # room for 3 programs of 4 warps per SM (4 per SM, two waves at long contexts, measured 5% slower at depth 4096: 8a)
 ATTN_PROGRAMS_PER_SM = 3
-# with `attention_decode(stages=...)`: tiles per pipelined group (stages 3 keeps both in flight: 64 KB of shared
-# memory per program for f16 caches at D = 128, 3 programs in an H100's or H200's 228 KB per SM)
-ATTN_GROUP = 2
-ATTN_SMEM_RESERVE = 4096  # bytes of shared memory a split program takes besides its pipeline buffers (reductions)
-
-
-def attention_stages(stages: int, block_n: int, d: int, dv: int, k_bytes: int, v_bytes: int, smem_per_sm: int,
-                     programs_per_sm: int = ATTN_PROGRAMS_PER_SM) -> int:
-    """The pipeline depth `attention_decode(stages=...)` runs: at most `stages`, and shallow enough that the
-    split policy's programs_per_sm programs fit one SM's shared memory with their (stages - 1) buffered K / V tiles
-    (block_n x (d k_bytes + dv v_bytes) bytes each): f16 caches at D = 128 keep 3 on an H100 / H200 (228 KB per
-    SM), f32 caches get 2. Below 2 nothing is pipelined (0); smem_per_sm 0 (not reported; the CPU interpreter):
-    `stages` as given."""
-    if stages < 2 or smem_per_sm <= 0:
-        return stages
-    tile = block_n * (d * k_bytes + dv * v_bytes)
-    fit = (smem_per_sm // programs_per_sm - ATTN_SMEM_RESERVE) // tile + 1
-    return min(stages, fit) if fit >= 2 else 0
 
 
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
@@ -354,8 +331,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, GROUP: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 0, PDL: tl.constexpr = False):
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -376,12 +352,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at len-1 in
     that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
     so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a).
-
-    STAGES > 0: the tiles after the first go GROUP at a time through a loop of static trip count GROUP that Triton
-    software-pipelines STAGES deep (cp.async copies into shared memory, issued STAGES - 1 tiles ahead): with
-    STAGES > GROUP a group's tiles are all in flight together, one round trip per group instead of one per tile.
-    Tiles past the chunk's end are masked (no memory traffic; at most GROUP - 1 per split). STAGES 0: one tile per
-    trip of a plain loop (NOTES.md 8c).
     """
     begin(PDL)
     sp = tl.program_id(1)
@@ -444,18 +414,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     acc = tl.where(some, a1, acc)
     n0 = lo + BLOCK_N
     while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
-        if STAGES > 0:  # GROUP tiles per trip, pipelined (the static inner trip count lets Triton do it)
-            for t in tl.range(0, GROUP, num_stages=STAGES):
-                n1 = n0 + t * BLOCK_N
-                k, v = _kv_tile(k_base, v_base, n1, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-                m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n1 + tl.arange(0, BLOCK_N) < hi,
-                                           m_i, l_i, acc)
-            n0 += GROUP * BLOCK_N
-        else:
-            k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i,
-                                       l_i, acc)
-            n0 += BLOCK_N
+        k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+        m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
+                                   acc)
+        n0 += BLOCK_N
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
         _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
     else:
@@ -550,8 +512,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int = ATTN_BLOCK_N, num_warps: int = 4,
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
-                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     stages: int = 0, group: int = ATTN_GROUP) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -566,10 +527,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
-    stages > 0: a split's tiles after its first are loaded `group` at a time, software-pipelined `stages` deep
-    through shared memory (`_attn_split_kernel` STAGES / GROUP; (stages - 1) x block_n x (D + Dv) cache elements
-    of shared memory per program, fewer stages where 3 programs per SM would not fit: `attention_stages`); 0: one
-    tile at a time.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -584,11 +541,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   MIN_SPLIT=max(min_split, block_n))
     win = int(window) if window > 0 else NO_WINDOW
     fused = counters is not None and split and reduce
-    if stages < 0 or group < 1:
-        raise ValueError(f"attention stages must be >= 0 and group >= 1, got {stages} and {group}")
-    if q.device.type == "cuda":
-        stages = attention_stages(stages, block_n, d, dv, k_cache.element_size(), v_cache.element_size(),
-                                  gpu(q.device).smem_per_sm)
     if fused and (counters.numel() < h or counters.dtype != torch.int32):
         raise ValueError(f"counters must be int32 zeros [>= {h}], got {counters.dtype} [{counters.numel()}]")
     if split:
@@ -609,8 +561,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, GROUP=group if stages else 1, STAGES=stages, num_warps=num_warps,
-            **launch_args(q.device))
+            **rconst, FUSED=fused, **oconst, num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
@@ -734,27 +685,22 @@ def router_logits(x: torch.Tensor, w_router: torch.Tensor, logits_out: torch.Ten
 
 @triton.jit
 def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, E,
-                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr, WPRE: tl.constexpr = False,
+                        BLOCK: tl.constexpr, PERM: tl.constexpr, X24: tl.constexpr,
                         PDL: tl.constexpr = False):
     """Program e (of E): y = x * rsqrt(mean(x^2) + eps) * nw (`_rms_norm_kernel`'s arithmetic, so the same bits
     at the same BLOCK and warps), out[e] = W[e] . y; lanes i with i % E == e store y into xn (and into xp at
     `perm_slot(i)` with PERM), so the E programs write y once between them. x, nw: [N] f32, W: [E, N] f32.
-    WPRE: nw and the router row are loaded before the PDL wait (weights), x after it."""
+    nw and the router row are loaded before the PDL wait (weights), x after it."""
     trigger(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    if WPRE:
-        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
-        wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
+    wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
     wait(PDL)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if not WPRE:
-        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / N + eps)
     y = x * r * nw
-    if not WPRE:
-        wr = tl.load(w_ptr + e.to(tl.int64) * N + offs, mask=mask, other=0.0)
     tl.store(out_ptr + e, tl.sum(wr * y, 0))
     mine = mask & (offs % E == e)
     tl.store(xn_ptr + offs, y, mask=mine)
@@ -767,12 +713,11 @@ def _norm_router_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, xn_ptr, xp_ptr, hi_ptr, l
 
 
 def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: torch.Tensor, logits_out: torch.Tensor,
-                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None, xn_x24: Any = None,
-                w_pre: bool = False) -> torch.Tensor:
+                xn_out: torch.Tensor, xn_perm: torch.Tensor | None = None, xn_x24: Any = None) -> torch.Tensor:
     """RMSNorm + router matvec in one launch: xn_out = rms_norm(x) * norm_w (as `rms_norm`, bit for bit),
     logits_out = W xn_out. x, norm_w: [N] f32 (N <= 16384); w_router: [E, N] f32 contiguous; logits_out [E];
     xn_perm ([N], N % 256 == 0): also receives xn_out in permute_k4 order; xn_x24 (imatvec.X24 of [N], N % 32 == 0)
-    xn_out quantized for the integer-dot kernels. w_pre: the weights loaded before the PDL wait (as `rms_norm`). E
+    xn_out quantized for the integer-dot kernels. The weights are loaded before the PDL wait (as `rms_norm`). E
     programs. Returns logits_out."""
     e, n = w_router.shape
     if xn_perm is not None and n % 256:
@@ -781,7 +726,7 @@ def norm_router(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w_router: tor
     xa = x24_args(xn_x24, n, "xn_x24", xn_out)
     _norm_router_kernel[(e,)](x, norm_w, w_router, logits_out, xn_out, xn_out if xn_perm is None else xn_perm,
                               *xa, float(eps), n, e, BLOCK=block, PERM=xn_perm is not None,
-                              X24=xn_x24 is not None, WPRE=w_pre, num_warps=8 if block >= 4096 else 4,
+                              X24=xn_x24 is not None, num_warps=8 if block >= 4096 else 4,
                               **launch_args(x.device))
     return logits_out
 

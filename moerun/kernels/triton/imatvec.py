@@ -42,13 +42,7 @@ from gguf import GGMLQuantizationType
 from moerun.kernels.torch_ops import X24, Route
 from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
-from moerun.kernels.triton.qmatvec import (
-    ACTIVATIONS,
-    EXPERTS_AHEAD,
-    PIPE_MAX_WEIGHTS,
-    chosen_experts,
-    zero_after_barrier,
-)
+from moerun.kernels.triton.qmatvec import ACTIVATIONS, EXPERTS_AHEAD, chosen_experts, zero_after_barrier
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
     WTile,
@@ -505,15 +499,12 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
                      hsum_ptr, cnt_ptr, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr,
                      NB: tl.constexpr, T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr,
                      ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, KSTAGES: tl.constexpr = 1,
-                     PDL: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
     `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
     H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
-    counters cnt [n_sel F / 32] int32 zeros, left zero).
-    KSTAGES > 1: the K loop is software-pipelined that deep (Triton copies the next K-steps' words and x tiles into
-    shared memory with cp.async while this one's dots run; only a loop of 2+ K-steps has anything to overlap)."""
+    counters cnt [n_sel F / 32] int32 zeros, left zero)."""
     begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
@@ -525,7 +516,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
     wu, wu16, wu8 = wu_ptr + us, wu16_ptr + 2 * us, wu8_ptr + 4 * us
     ga, gm = _izeros(QT, R, NB, T)
     ua, um = _izeros(QT, R, NB, T)
-    for kb in tl.range(0, N_BLOCKS, NB, num_stages=KSTAGES):  # gate and up rows share each x tile
+    for kb in range(0, N_BLOCKS, NB):  # gate and up rows share each x tile
         xt = _itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, kb, NB, T)
         nga = ()
         ngm = ()
@@ -607,13 +598,11 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
                   stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
                   R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr,
-                  DSTAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
     weight folded into the scales, experts summed in order. EU > 1: the experts' loads EU at a time ahead of their
-    arithmetic (`_idown_experts`, EU divides N_SEL). EU 1 with DSTAGES > 1: the loop over the experts is
-    software-pipelined that deep (their ids, then their words and h tiles copied into shared memory with cp.async
-    DSTAGES - 1 experts ahead); Triton pipelines it only where each expert is one K-step (NB = N_BLOCKS)."""
+    arithmetic (`_idown_experts`, EU divides N_SEL)."""
     begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
@@ -622,7 +611,7 @@ def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_
         accs, accms = _idown_experts(QT, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
                                      row0, N, stride_e, accs, accms, SW, N_BLOCKS, N_SEL, R, NB, T, EU, EMU)
     else:
-        for i in tl.range(0, N_SEL, num_stages=DSTAGES):
+        for i in range(N_SEL):
             eid = tl.load(ids_ptr + i).to(tl.int64)
             start = eid * stride_e + row0.to(tl.int64) * SW
             xo = i * (64 * N_BLOCKS)  # h row i: its hi / lo viewed 4 values per element, 8 N_BLOCKS groups
@@ -753,15 +742,13 @@ def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor,
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
                   act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
                   route: Route | None = None, h_out: X24 | None = None, counters: torch.Tensor | None = None,
-                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD, k_stages: int = 1) -> torch.Tensor:
+                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x). w_*: uint8 [E, F, row_bytes], Q4_K or (qtype Q6_K / Q8_0)
     their `COPIES` copy; x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out:
     f32 [n_sel, F], rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out
     quantized (X24 of [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left
-    zero). k_stages > 1: the K loop software-pipelined that deep (`_igate_up_kernel` KSTAGES; the same sums)."""
+    zero)."""
     f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
-    if k_stages < 1:
-        raise ValueError(f"k_stages must be >= 1, got {k_stages}")
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     gv, units, qt = _iviews(qtype, w_gate, k)
@@ -779,36 +766,24 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
-        **rconst, H24=h_out is not None, EMU=_EMU, KSTAGES=k_stages, num_warps=t.num_warps,
-        num_stages=t.num_stages, **launch_args(w_gate.device))
+        **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages,
+        **launch_args(w_gate.device))
     return out
 
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD, stages: int = 1) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
     residual / out: f32 [N] (out may be residual). experts_ahead: the experts whose loads a program issues before
-    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). stages > 1
-    (experts_ahead ignored): the expert loop software-pipelined that deep, each expert in one K-step (the tile's NB
-    set to F / 256; `_idown_kernel` DSTAGES), where F / 256 is a power of two and rows x F <=
-    qmatvec.PIPE_MAX_WEIGHTS; elsewhere as stages 1. Returns out."""
+    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages}")
     views, units, qt = _iviews(qtype, w_down, f)
-    n_blocks, t = f // 256, None
-    if stages > 1:
-        t1 = wtile_for("down", n, f, n, w_down.device, tile or _itile("down", qt, n))  # the one-expert loop's tile
-        if n_blocks & (n_blocks - 1) == 0 and t1.rows * f <= PIPE_MAX_WEIGHTS:
-            eu, t = 1, t1._replace(nb=n_blocks)  # one K-step per expert: the loop Triton pipelines
-    if t is None:  # stages 1, or no one-K-step tile (a block count not a power of two, rows too long)
-        stages = 1
-        eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
-        t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
+    eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
+    t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
-        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU, DSTAGES=stages,
+        QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
     return out

@@ -48,7 +48,8 @@ ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu_tanh": 1}
 
 
 class Tile(NamedTuple):
-    """Launch shape: rows per program, blocks per K-step, warps, software-pipelining stages."""
+    """Launch shape: rows per program, blocks per K-step, warps, and the launch's num_stages (no pipelining of these
+    loops: `WTile`)."""
 
     block_m: int
     nb: int
@@ -165,12 +166,11 @@ def _act(g, ACT: tl.constexpr):
 def _moe_gate_up_kernel(
     wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um, stride_out,
     NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
-    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr, KSTAGES: tl.constexpr = 1,
+    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]
-    (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`). KSTAGES > 1: the shared K
-    loop (gate and up of one type and step) software-pipelined that deep through shared memory (cp.async)."""
+    (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`)."""
     begin(PDL)
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -182,7 +182,7 @@ def _moe_gate_up_kernel(
     if QG == QU and NBG == NBU:  # one loop: both matrices' bytes in flight each step
         ga = zeros(QG, BM, NBG)
         ua = zeros(QU, BM, NBU)
-        for kb in tl.range(0, NBLK_G, NBG, num_stages=KSTAGES):
+        for kb in range(0, NBLK_G, NBG):
             ga += step(wg, rmask, kb, NBLK_G, x_ptr, QG, BM, NBG)
             ua += step(wu, rmask, kb, NBLK_U, x_ptr, QU, BM, NBU)
         g = total(ga, QG)
@@ -211,9 +211,6 @@ def _pin_float(w, z):
 # the down kernels' experts per load group (`experts_ahead` of `moe_down` and `imatvec.moe_down_i`): 2 measured
 # +1.5% (Q4_K_M), +1.8% (Q8_0), +0.7% (F16) OLMoE tg128 against 1 (one expert at a time), 4 -1.2% (NOTES.md 7y)
 EXPERTS_AHEAD = 2
-# `moe_down(stages > 1)` (and imatvec's): pipelined only where a program's rows of one expert, F weights each, fit one
-# K-step of at most this many weights (OLMoE: 2 x 1,024; a longer F keeps the plain loop and its K-steps)
-PIPE_MAX_WEIGHTS = 8192
 
 
 @triton.jit
@@ -244,15 +241,14 @@ def zero_after_barrier(p):
 def _moe_down_kernel(
     w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
     N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-    EU: tl.constexpr, DSTAGES: tl.constexpr = 1,
+    EU: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BM),). w: [E, N, row] bytes, h: [n_sel, F] f32, ids/wts: [n_sel], res/out: [N] f32.
 
     Experts are summed inside the program in order i = 0 .. n_sel-1 (deterministic, no atomics). EU > 1 (F32 / F16 /
     BF16 only): the weights and h of EU experts (every K-step unrolled) are loaded before any of their arithmetic (a
-    CTA barrier, then a zero read ORed into the weights), the same sums in the same order. EU 1 with DSTAGES > 1:
-    the expert loop software-pipelined that deep through shared memory (pipelined where an expert is one K-step).
+    CTA barrier, then a zero read ORed into the weights), the same sums in the same order.
     """
     begin(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -276,7 +272,7 @@ def _moe_down_kernel(
                     part += _pin_float(w, z).to(tl.float32) * x[None, :]
                 acc += wts[g + u] * total(part, QTYPE)
     else:
-        for i in tl.range(0, N_SEL, num_stages=DSTAGES):
+        for i in range(N_SEL):
             eid = tl.load(ids_ptr + i).to(tl.int64)
             part = row_dot(w_ptr + eid * stride_e + r64, rmask, h_ptr + i * stride_h, N_BLOCKS, QTYPE, BM, NB)
             acc += tl.load(wts_ptr + i) * part
@@ -324,19 +320,15 @@ def moe_gate_up(
     *,
     perm_out: bool = False,
     tile: Tile | None = None,
-    k_stages: int = 1,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: float32 [K]; ids: int32/int64 [n_sel] on the device (read by
     the kernel); out: float32 [n_sel, F] (rows contiguous; with perm_out each row in the word kernels'
-    order, F % 256 == 0). act: "silu" | "gelu_tanh". k_stages > 1: the K loop software-pipelined that deep
-    (`_moe_gate_up_kernel` KSTAGES; the same sums). Returns out.
+    order, F % 256 == 0). act: "silu" | "gelu_tanh". Returns out.
     """
     _check(qtype_gate)
     _check(qtype_up)
-    if k_stages < 1:
-        raise ValueError(f"k_stages must be >= 1, got {k_stages}")
     f, k, n_sel = w_gate.shape[1], x.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
@@ -346,7 +338,7 @@ def moe_gate_up(
     _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
         wg, wu, x, ids, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
-        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, KSTAGES=k_stages,
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
 
@@ -362,30 +354,21 @@ def moe_down(
     *,
     tile: Tile | None = None,
     experts_ahead: int = EXPERTS_AHEAD,
-    stages: int = 1,
 ) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), summed in order i = 0..n_sel-1.
 
     w_down: uint8 [E, N, row_bytes]; h: float32 [n_sel, F] (rows contiguous); ids: int32/int64 [n_sel];
     weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). experts_ahead (F32 / F16 / BF16; the
     other types ignore it): the experts whose loads a program issues before their arithmetic (the largest divisor
-    of n_sel up to it). stages > 1 (experts_ahead ignored): the expert loop software-pipelined that deep, each
-    expert's row in one K-step (the tile's nb set to the row's blocks; `_moe_down_kernel` DSTAGES), where
-    block_m x F <= PIPE_MAX_WEIGHTS (else 1). Returns out.
+    of n_sel up to it). Returns out.
     """
     _check(qtype)
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages}")
     n, f, n_sel = w_down.shape[1], h.shape[1], h.shape[0]
     t = tile or tile_for("down", qtype, n, f, n_sel, w_down.device)
     eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0) if qtype in FLOATS else 1
-    if stages > 1 and t.block_m * f > PIPE_MAX_WEIGHTS:  # one expert's rows too long for one K-step: plain loop
-        stages = 1
-    if stages > 1:
-        eu, t = 1, t._replace(nb=triton.next_power_of_2(f // GEOMETRY[qtype][0]))
     wt = _typed(w_down, qtype)
     _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
         wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
-        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb, EU=eu, DSTAGES=stages,
+        N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb, EU=eu,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
     return out

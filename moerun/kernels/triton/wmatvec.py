@@ -58,7 +58,9 @@ Q6B = 1014  # the kernels' layout code (QT) for Q6_K repacked as bytes (`bytes_q
 
 
 class WTile(NamedTuple):
-    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, software-pipelining stages."""
+    """Rows per program (R, unrolled), 256-weight blocks per K-step, warps, and the launch's num_stages (which does
+    not pipeline these kernels' loops: Triton 3.6 pipelines non-dot loads only in `tl.range(num_stages=)` loops, and
+    those measured slower, NOTES.md 8d / 8g)."""
 
     rows: int
     nb: int
