@@ -226,10 +226,12 @@ class FastDecoder:
         ops.moe_gate_up(g.raw, u.raw, g.qtype, u.qtype, self.xn, self.ids, self.h, act=spec.act, x_perm=xp,
                         perm_out=h_perm, route=route, x24=x24, h_x24=h24)
         if spec.post_norms:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm, h_x24=h24)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.zero, self.y, h_perm=h_perm, h_x24=h24,
+                         route=route)
             self._add_block_output(L["post_ffw_norm"])
         else:
-            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24)
+            ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24,
+                         route=route)
 
     def _step(self) -> None:
         """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""

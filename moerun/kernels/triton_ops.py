@@ -42,20 +42,23 @@ class TritonOps:
     pdl: the step's kernels are launched with programmatic dependent launch (`kernels/triton/pdl.py`; sm_90+):
     each lets the next one launch, then waits for the one before, so launches overlap the kernel before them
     (the integer matvecs load their first K-step's weights before that wait, the RMSNorm and norm + router
-    kernels their weights)."""
+    kernels their weights).
+    down_route: the integer down kernel ranks the experts itself from the router's logits and loads its first
+    experts' words before that wait (its gate/up lets it launch only after its own wait; `imatvec.moe_down_i` route)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True) -> None:
+                 pdl: bool = True, down_route: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
         self.pdl = pdl
+        self.down_route = down_route
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -163,7 +166,7 @@ class TritonOps:
                 and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate)
+                                    counters=cnt, qtype=qtype_gate, late=self._routed_down(route, h_x24, ids))
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -177,10 +180,12 @@ class TritonOps:
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
-                 h_perm: bool = False, h_x24: ik.X24 | None = None) -> torch.Tensor:
+                 h_perm: bool = False, h_x24: ik.X24 | None = None, route: Route | None = None) -> torch.Tensor:
+        """As TorchOps.moe_down; `route` (the gate/up's) lets the integer down rank the experts itself (down_route)."""
         if h_x24 is not None and self.ints_take(qtype, "down", w_down, h.shape[-1]):
             return ik.moe_down_i(w_down, h_x24, ids, weights, residual, out, qtype=qtype,
-                                 experts_ahead=self.down_ahead)
+                                 experts_ahead=self.down_ahead,
+                                 route=route if self._routed_down(route, h_x24, ids) else None)
         if h_perm:
             if not self.perm(qtype, h.shape[-1], "down"):
                 raise ValueError(f"permuted h given to a down product of type {qtype} without a word kernel")
@@ -188,6 +193,12 @@ class TritonOps:
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
         return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead)
+
+    def _routed_down(self, route: Route | None, h_x24: ik.X24 | None, ids: torch.Tensor) -> bool:
+        """Whether the integer gate/up (routing itself, writing h_x24) and down of a layer run as `down_route`
+        pairs: the gate/up `late`, the down ranking from route.logits. Decided from what both calls see."""
+        return (self.down_route and route is not None and h_x24 is not None
+                and route.logits.shape[-1] <= dk.ROUTE_MAX_E and ik.experts_group(ids.shape[0], self.down_ahead) > 1)
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""

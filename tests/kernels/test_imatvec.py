@@ -270,6 +270,39 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
             check_bound(out, one.cpu().double(), bound, seed, f"experts_ahead={ahead} against one", tol=1e-6)
 
 
+@pytest.mark.parametrize("qtype,f,ahead", [(Q4_K, 512, 2), (Q8_0, 768, 2), (Q6_K, 512, 4)])
+def test_moe_down_i_route(qtype, f, ahead, device, rng) -> None:
+    """route (`droute`): the kernel ranks the experts itself from the router's logits (top-4 of 6, a tie at the
+    lowest rank broken to the lower index, as the gate/up's `topk_logits`) and never reads ids (poisoned out of
+    range); the result is the one with the ids given, bit for bit. Refused with experts_ahead 1 or too many
+    experts."""
+    from moerun.kernels.torch_ops import Route
+
+    gen, seed = rng
+    e, n = 6, 37
+    w, dw = _iweights(qtype, (e, n), f, gen, device)
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.5, 0.25, 0.5])  # best: 1, 3, then 0 and 5 tied (0), 4
+    ids = torch.tensor([1, 3, 0, 5], dtype=torch.int32)
+    hq, hd = _x24(vec(gen, 4, f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    want = ik.moe_down_i(w, hq, ids.to(device), wts.to(device), r.to(device), torch.full((n,), float("nan"),
+                         device=device), qtype=qtype, experts_ahead=ahead)
+    route = Route(logits.to(device), wts.to(device), False)
+    bad = torch.full((4,), 1 << 30, dtype=torch.int32, device=device)  # read as ids, these would fault or NaN
+    got = ik.moe_down_i(w, hq, bad, wts.to(device), r.to(device), torch.full((n,), float("nan"), device=device),
+                        qtype=qtype, experts_ahead=ahead, route=route)
+    check_bound(got, ref, bound, seed, f"{T(qtype).name} idown route")
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="experts_ahead > 1"):
+        ik.moe_down_i(w, hq, bad, wts.to(device), r.to(device), got, qtype=qtype, experts_ahead=1, route=route)
+    many = Route(torch.zeros(300, device=device), wts.to(device), False)
+    with pytest.raises(ValueError, match="at most 256 experts"):
+        ik.moe_down_i(w, hq, bad, wts.to(device), r.to(device), got, qtype=qtype, route=many)
+
+
 def test_qmatvec_i2(device, rng) -> None:
     """Two matrices of different layouts (a Q4_K q/k run, a Q6_K or Q8_0 v) in one launch: each output bit for bit
     what `qmatvec_i` gives it alone (poisoned first)."""

@@ -601,16 +601,20 @@ ROUTE_MAX_E = 256  # most experts `topk_logits` ranks inside a gate/up launch
 
 
 @triton.jit
-def topk_logits(logits_ptr, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def topk_logits(logits_ptr, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr = False):
     """Device helper: the BLOCK_K largest of the logits [E] f32 at logits_ptr, descending, ties to the lower index
     -> (ids [BLOCK_K] int32, their logits [BLOCK_K] f32, all the logits x [BLOCK_E] f32, -inf on lanes >= E).
 
     Softmax keeps the order, so the first K are `softmax_topk`'s choice. One bitonic `tl.topk` over int64 keys:
     the logit's bits made order-preserving as a signed int (high word) over BLOCK_E - 1 - e (low word, the tie
     rule). Two logits that differ but round to the same probability keep their logit order here (softmax_topk:
-    the lower index first; their weights are equal either way)."""
+    the lower index first; their weights are equal either way). CG: the logits loaded past L1 (`.cg`)."""
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf")) + 0.0  # -0.0 -> +0.0: equal keys for equal values
+    if CG:
+        x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf"), cache_modifier=".cg")
+    else:
+        x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf"))
+    x = x + 0.0  # -0.0 -> +0.0: equal keys for equal values
     b = x.to(tl.int32, bitcast=True)
     o = tl.where(b < 0, b ^ 0x7FFFFFFF, b)  # negative floats reversed: signed int order = float order
     top = tl.topk((o.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64), BLOCK_K)  # [BLOCK_K] descending

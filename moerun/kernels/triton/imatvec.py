@@ -40,6 +40,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import X24, Route
+from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, topk_logits
 from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, EXPERTS_AHEAD, chosen_experts, zero_after_barrier
@@ -499,13 +500,19 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
                      hsum_ptr, cnt_ptr, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr,
                      NB: tl.constexpr, T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr,
                      ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
+                     LATE: tl.constexpr = False):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
     `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
     H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
-    counters cnt [n_sel F / 32] int32 zeros, left zero)."""
-    begin(PDL)
+    counters cnt [n_sel F / 32] int32 zeros, left zero). LATE: the next kernel may launch only after this one's
+    wait (so the router's logits are final before it starts: a routed down, `_idown_kernel` ROUTE)."""
+    if LATE:
+        wait(PDL)
+        trigger(PDL)
+    else:
+        begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
@@ -572,23 +579,80 @@ def _irows_math(QT: tl.constexpr, pend, z, scale, accs, accms, STEPS: tl.constex
 
 
 @triton.jit
+def _irows_words(QT: tl.constexpr, wp, hp, bp, row0, M, SW: tl.constexpr, N_BLOCKS: tl.constexpr, R: tl.constexpr,
+                 NB: tl.constexpr, T: tl.constexpr):
+    """The weight half of `_irows_load`: ((row words per row) per K-step), loaded and not yet used."""
+    ws = ()
+    for j in tl.static_range(N_BLOCKS // NB):
+        rws = ()
+        for r in tl.static_range(R):
+            rws = rws + (_iwords(QT, wp, hp, bp, r * SW, row0 + r < M, j * NB, NB, T),)
+        ws = ws + (rws,)
+    return ws
+
+
+@triton.jit
+def _irows_with_x(QT: tl.constexpr, ws, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, N_BLOCKS: tl.constexpr, NB: tl.constexpr,
+                  T: tl.constexpr):
+    """`_irows_words`' words with their x tiles loaded now: `_irows_load`'s ((x tiles, (row words)) per K-step)."""
+    pend = ()
+    for j in tl.static_range(N_BLOCKS // NB):
+        pend = pend + ((_itiles(QT, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, j * NB, NB, T), ws[j]),)
+    return pend
+
+
+@triton.jit
+def _ranked_experts(route_ptr, E, N_SEL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The N_SEL best experts of the router's logits [E] (`topk_logits`, as the gate/up launch chose them), int64,
+    one tuple; the logits read from L2 (`.cg`: written by the kernel two before this one)."""
+    ids, _, _ = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K, True)
+    kk = tl.arange(0, BLOCK_K)
+    eids = ()
+    for i in tl.static_range(N_SEL):
+        eids = eids + (tl.sum(tl.where(kk == i, ids, 0), 0).to(tl.int64),)
+    return eids
+
+
+@triton.jit
 def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
                    row0, N, stride_e, accs, accms, SW: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
-                   R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr):
+                   R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr,
+                   route_ptr, E, ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, BLOCK_K: tl.constexpr = 1,
+                   PDL: tl.constexpr = False):
     """`_idown_kernel`'s experts EU at a time: every expert id and weight read first, then per group of EU experts all
     their words and x tiles loaded (`_irows_load`), a CTA barrier so that none of those loads waits behind the group's
-    arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order)."""
-    eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
+    arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order). ROUTE: the ids ranked
+    here from the router's logits and the first group's words loaded before the PDL wait (nothing in the step writes
+    weights), ids_ptr never read; h and the routing weights after it."""
+    if ROUTE:
+        eids = _ranked_experts(route_ptr, E, N_SEL, BLOCK_E, BLOCK_K)
+        first = ()
+        for u in tl.static_range(EU):
+            start = eids[u] * stride_e + row0.to(tl.int64) * SW
+            first = first + (_irows_words(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N, SW,
+                                          N_BLOCKS, R, NB, T),)
+        wait(PDL)
+        wts = ()
+        for i in tl.static_range(N_SEL):
+            wts = wts + (tl.load(wts_ptr + i),)
+        pin_ptr = wts_ptr  # weights >= 0: `zero_after_barrier`'s sign bit
+    else:
+        eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
+        pin_ptr = ids_ptr
     for g in tl.static_range(0, N_SEL, EU):
         pends = ()
         for u in tl.static_range(EU):
             start = eids[g + u] * stride_e + row0.to(tl.int64) * SW
             xo = (g + u) * (64 * N_BLOCKS)  # h row g + u (as `_idown_kernel`)
             so = (g + u) * (8 * N_BLOCKS)
-            pends = pends + (_irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
-                                         hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so, SW, N_BLOCKS, R, NB,
-                                         T),)
-        z = zero_after_barrier(ids_ptr)  # the loads above are issued before any arithmetic below waits on them
+            if ROUTE and g == 0:
+                pends = pends + (_irows_with_x(QT, first[u], hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so,
+                                               N_BLOCKS, NB, T),)
+            else:
+                pends = pends + (_irows_load(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N,
+                                             hh_ptr + xo, hl_ptr + xo, hs_ptr + so, hsum_ptr + so, SW, N_BLOCKS, R,
+                                             NB, T),)
+        z = zero_after_barrier(pin_ptr)  # the loads above are issued before any arithmetic below waits on them
         for u in tl.static_range(EU):
             accs, accms = _irows_math(QT, pends[u], z, wts[g + u], accs, accms, N_BLOCKS // NB, R, EMU)
     return accs, accms
@@ -598,18 +662,26 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
 def _idown_kernel(w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N,
                   stride_e, QT: tl.constexpr, U: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
                   R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr,
+                  route_ptr, E, ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, BLOCK_K: tl.constexpr = 1,
                   PDL: tl.constexpr = False):
     """Grid (cdiv(N, R),). w: int32 [E, N, U N_BLOCKS] (w16 / w8 its views, as `_imv_kernel`; stride_e in words);
     x24 of h [n_sel, F] (hi / lo viewed as in `_imv_kernel`); ids/wts: [n_sel]; res/out: f32 [N]. The routing
     weight folded into the scales, experts summed in order. EU > 1: the experts' loads EU at a time ahead of their
-    arithmetic (`_idown_experts`, EU divides N_SEL)."""
-    begin(PDL)
+    arithmetic (`_idown_experts`, EU divides N_SEL). ROUTE (EU > 1): the ids ranked from the router's logits [E] at
+    route_ptr before the PDL wait, with the first experts' words (`_idown_experts`); the launch before must be a LATE
+    gate/up (`_igate_up_kernel`), so that the logits are final when this one starts."""
+    tl.static_assert(EU > 1 or not ROUTE)
+    if ROUTE:
+        trigger(PDL)
+    else:
+        begin(PDL)
     SW: tl.constexpr = U * N_BLOCKS
     row0 = tl.program_id(0) * R
     accs, accms = _izeros(QT, R, NB, T)
     if EU > 1:
         accs, accms = _idown_experts(QT, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
-                                     row0, N, stride_e, accs, accms, SW, N_BLOCKS, N_SEL, R, NB, T, EU, EMU)
+                                     row0, N, stride_e, accs, accms, SW, N_BLOCKS, N_SEL, R, NB, T, EU, EMU,
+                                     route_ptr, E, ROUTE, BLOCK_E, BLOCK_K, PDL)
     else:
         for i in range(N_SEL):
             eid = tl.load(ids_ptr + i).to(tl.int64)
@@ -742,12 +814,12 @@ def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor,
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
                   act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
                   route: Route | None = None, h_out: X24 | None = None, counters: torch.Tensor | None = None,
-                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD) -> torch.Tensor:
+                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD, late: bool = False) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x). w_*: uint8 [E, F, row_bytes], Q4_K or (qtype Q6_K / Q8_0)
     their `COPIES` copy; x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out:
     f32 [n_sel, F], rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out
     quantized (X24 of [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left
-    zero)."""
+    zero). late: with PDL, the next launch may start only after this one's wait (before a `moe_down_i` with route)."""
     f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
@@ -767,23 +839,40 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
         **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages,
-        **launch_args(w_gate.device))
+        **launch_args(w_gate.device), **({"LATE": True} if late else {}))
     return out
+
+
+def experts_group(n_sel: int, experts_ahead: int) -> int:
+    """The experts `moe_down_i` loads ahead of their arithmetic: the largest divisor of n_sel up to experts_ahead."""
+    return max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
 
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,
                out: torch.Tensor, *, qtype: int = Q4_K, tile: WTile | None = None,
-               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD) -> torch.Tensor:
+               words: int = WORDS_PER_THREAD, experts_ahead: int = EXPERTS_AHEAD,
+               route: Route | None = None) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), experts summed in order. w_down: uint8
     [E, N, row_bytes], Q4_K or (qtype Q6_K / Q8_0) their `COPIES` copy; h: X24 of [n_sel, F]; ids / weights: [n_sel];
     residual / out: f32 [N] (out may be residual). experts_ahead: the experts whose loads a program issues before
-    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). Returns out."""
+    their arithmetic (the largest divisor of n_sel up to it; 1: one expert, one K-step at a time). route (the one a
+    gate/up launched with `late` chose ids and weights from; experts_ahead > 1, at most ROUTE_MAX_E experts): the
+    kernel ranks the experts itself from route.logits and loads its first experts' words before the PDL wait; ids
+    is not read, weights is. Returns out."""
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
-    eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
+    eu = experts_group(n_sel, experts_ahead)
+    rargs, rconst = (ids, 1), {}
+    if route is not None:
+        e = route.logits.shape[-1]
+        if eu == 1 or e > ROUTE_MAX_E:
+            raise ValueError(f"moe_down_i ranks experts itself only with experts_ahead > 1 (here {eu}) and at most "
+                             f"{ROUTE_MAX_E} experts (here {e})")
+        rargs, rconst = (route.logits, e), dict(ROUTE=True, BLOCK_E=_np2(e), BLOCK_K=_np2(n_sel))
     t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),
         QT=qt, U=units, N_BLOCKS=f // 256, N_SEL=n_sel, R=t.rows, NB=t.nb, T=words, EU=eu, EMU=_EMU,
-        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
+        route_ptr=rargs[0], E=rargs[1], **rconst, num_warps=t.num_warps, num_stages=t.num_stages,
+        **launch_args(w_down.device))
     return out
