@@ -48,6 +48,20 @@ if sys.argv[2] == "rms_norm":  # the weight loaded before the wait
 elif sys.argv[2] == "argmax":  # the logits: nothing before the wait
     fn, consts = dk._argmax_chunk_kernel, {"CHUNK": 2048, "PDL": pdl}
     types = {"idx_ptr": "*i32", "V": "i32"}
+elif sys.argv[2] == "gate_up_late":  # the routed Q4_K gate/up before a routed down: its trigger after its wait
+    fn = ik._igate_up_kernel
+    consts = dict(QT=12, U=36, N_BLOCKS=8, R=4, NB=8, T=8, ACT=0, PERM_OUT=False, ROUTE=True, N_SEL=8, RENORM=False,
+                  BLOCK_E=64, BLOCK_K=8, H24=True, EMU=False, PDL=pdl, LATE=True)
+    types = {p: "*i32" for p in ("wg_ptr", "wu_ptr", "xl_ptr", "ids_ptr", "cnt_ptr")}
+    types |= {"wg16_ptr": "*i16", "wu16_ptr": "*i16", "wg8_ptr": "*i8", "wu8_ptr": "*i8", "xh_ptr": "*i64",
+              "hh_ptr": "*i16", "hl_ptr": "*u8", "E": "i32", "F": "i32", "stride_ge": "i32", "stride_ue": "i32",
+              "stride_out": "i32"}
+elif sys.argv[2] == "down_route":  # the Q4_K down ranking its experts from the logits, 2 ahead
+    fn = ik._idown_kernel
+    consts = dict(QT=12, U=36, N_BLOCKS=4, N_SEL=8, R=2, NB=4, T=8, EU=2, EMU=False, ROUTE=True, BLOCK_E=64,
+                  BLOCK_K=8, PDL=pdl)
+    types = {"w_ptr": "*i32", "w16_ptr": "*i16", "w8_ptr": "*i8", "hh_ptr": "*i64", "hl_ptr": "*i32",
+             "ids_ptr": "*i32", "N": "i32", "stride_e": "i32", "E": "i32"}
 else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
     fn = ik._imv_kernel
     consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl)
@@ -87,3 +101,20 @@ def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     assert 0 <= trig < wait < store.start()
     assert (first.start() < wait) == pre
+
+
+def test_routed_down_pair() -> None:
+    """`droute` (sm_90 PTX with PDL): the gate/up before a routed down lets it launch only after its own wait (so the
+    router's logits are final when the down starts) and touches nothing before that wait; the down triggers at once,
+    reads the logits past L1 (`ld.global.cg`) and its first experts' words before its wait, and stores after it."""
+    ptx = _ptx("gate_up_late", True)
+    trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    first = re.search(r"\b(ld|st)\.global", ptx)
+    assert 0 <= wait < trig and first is not None and wait < first.start()
+    ptx = _ptx("down_route", True)
+    trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    logits = ptx.find("ld.global.cg")
+    loads_before = len(re.findall(r"\bld\.global", ptx[:wait]))
+    store = re.search(r"\bst\.global", ptx)
+    assert 0 <= trig < logits < wait < store.start()
+    assert loads_before > 2 * 4 * 2, f"{loads_before} loads before the wait"  # 2 experts x 4 blocks x 2 rows, at least
