@@ -238,6 +238,20 @@ def test_moe_down_i(tile, words, device, rng) -> None:
         check_bound(out, ref, bound, seed, f"Q4_K idown ids={ids_list} tile={tile} words={words}")
 
 
+def _idown_case(qtype: int, e: int, n: int, f: int, ids: torch.Tensor, gen, device) -> tuple[tuple, torch.Tensor,
+                                                                                            torch.Tensor]:
+    """Experts `ids` of e of an [n, f] down product in the integer kernels' layout: moe_down_i's arguments up to
+    out (w, h, weights, residual; ids not included), the float64 reference (x24's dequantized h) with the
+    residual, and its error bound."""
+    w, dw = _iweights(qtype, (e, n), f, gen, device)
+    hq, hd = _x24(vec(gen, len(ids), f), device)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, len(ids)).astype(np.float32))
+    r = vec(gen, n)
+    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
+    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
+    return (w, hq, wts.to(device), r.to(device)), ref, bound
+
+
 @pytest.mark.parametrize("qtype,f", [(Q4_K, 768), (Q4_K, 512), (Q6_K, 512), (Q8_0, 768)])
 def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     """Experts loaded ahead of their arithmetic (the default, 2; 3 -> 2; 4 of 4; every K-step unrolled): within the
@@ -246,15 +260,9 @@ def test_moe_down_i_experts_ahead(qtype, f, device, rng) -> None:
     into FMAs differently in the two code shapes (measured on the H100: last-bit differences), so there within 1e-6
     of the bound."""
     gen, seed = rng
-    e, n = 5, 37
-    w, dw = _iweights(qtype, (e, n), f, gen, device)
-    ids = torch.tensor([3, 0, 3, 1], dtype=torch.int32)
-    hq, hd = _x24(vec(gen, 4, f), device)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
-    r = vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
-    args = (w, hq, ids.to(device), wts.to(device), r.to(device))
+    n, ids = 37, torch.tensor([3, 0, 3, 1], dtype=torch.int32)
+    (w, hq, wts, r), ref, bound = _idown_case(qtype, 5, n, f, ids, gen, device)
+    args = (w, hq, ids.to(device), wts, r)
     one = ik.moe_down_i(*args, torch.full((n,), float("nan"), device=device), qtype=qtype, experts_ahead=1)
     check_bound(one, ref, bound, seed, f"{T(qtype).name} idown one expert at a time")
     same_bits = qtype != Q4_K or torch.device(device).type == "cpu"
@@ -279,28 +287,22 @@ def test_moe_down_i_route(qtype, f, ahead, device, rng) -> None:
     from moerun.kernels.torch_ops import Route
 
     gen, seed = rng
-    e, n = 6, 37
-    w, dw = _iweights(qtype, (e, n), f, gen, device)
+    n, ids = 37, torch.tensor([1, 3, 0, 5], dtype=torch.int32)
     logits = torch.tensor([0.5, 2.0, -1.0, 1.5, 0.25, 0.5])  # best: 1, 3, then 0 and 5 tied (0), 4
-    ids = torch.tensor([1, 3, 0, 5], dtype=torch.int32)
-    hq, hd = _x24(vec(gen, 4, f), device)
-    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
-    r = vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], hd)).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(), hd.abs())).sum(0)
-    want = ik.moe_down_i(w, hq, ids.to(device), wts.to(device), r.to(device), torch.full((n,), float("nan"),
-                         device=device), qtype=qtype, experts_ahead=ahead)
-    route = Route(logits.to(device), wts.to(device), False)
+    (w, hq, wts, r), ref, bound = _idown_case(qtype, 6, n, f, ids, gen, device)
+    want = ik.moe_down_i(w, hq, ids.to(device), wts, r, torch.full((n,), float("nan"), device=device), qtype=qtype,
+                         experts_ahead=ahead)
+    route = Route(logits.to(device), wts, False)
     bad = torch.full((4,), 1 << 30, dtype=torch.int32, device=device)  # read as ids, these would fault or NaN
-    got = ik.moe_down_i(w, hq, bad, wts.to(device), r.to(device), torch.full((n,), float("nan"), device=device),
-                        qtype=qtype, experts_ahead=ahead, route=route)
+    got = ik.moe_down_i(w, hq, bad, wts, r, torch.full((n,), float("nan"), device=device), qtype=qtype,
+                        experts_ahead=ahead, route=route)
     check_bound(got, ref, bound, seed, f"{T(qtype).name} idown route")
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="experts_ahead > 1"):
-        ik.moe_down_i(w, hq, bad, wts.to(device), r.to(device), got, qtype=qtype, experts_ahead=1, route=route)
-    many = Route(torch.zeros(300, device=device), wts.to(device), False)
+        ik.moe_down_i(w, hq, bad, wts, r, got, qtype=qtype, experts_ahead=1, route=route)
+    many = Route(torch.zeros(300, device=device), wts, False)
     with pytest.raises(ValueError, match="at most 256 experts"):
-        ik.moe_down_i(w, hq, bad, wts.to(device), r.to(device), got, qtype=qtype, route=many)
+        ik.moe_down_i(w, hq, bad, wts, r, got, qtype=qtype, route=many)
 
 
 def test_qmatvec_i2(device, rng) -> None:
