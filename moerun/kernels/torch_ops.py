@@ -145,7 +145,7 @@ class TorchOps:
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
                  h_perm: bool = False, h_x24: Any = None, route: Route | None = None) -> torch.Tensor:
         """out [N] = residual + sum_k weights[k] * Wd[ids[k]] @ h[k]; w_down: [E, N, row_bytes], h: [K, F]
-        (in permute_k4 order with h_perm). route: the routing ids and weights came from (not needed here)."""
+        (in permute_k4 order with h_perm). route: the router output the ids and weights came from (not needed here)."""
         if h_perm:
             h = unpermute_k4(h)
         y = torch.einsum("knf,kf->kn", _deq(w_down.index_select(0, ids.long()), qtype, h.shape[-1]), h)  # [K, N]

@@ -198,7 +198,7 @@ class TritonOps:
         """Whether the integer gate/up (routing itself, writing h_x24) and down of a layer run as `down_route`
         pairs: the gate/up `late`, the down ranking from route.logits. Decided from what both calls see."""
         return (self.down_route and route is not None and h_x24 is not None
-                and route.logits.shape[-1] <= dk.ROUTE_MAX_E and ik.experts_group(ids.shape[0], self.down_ahead) > 1)
+                and route.logits.shape[-1] <= dk.ROUTE_MAX_E and qk.experts_group(ids.shape[0], self.down_ahead) > 1)
 
     def _counters(self, n: int, device: torch.device) -> torch.Tensor:
         """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""

@@ -43,7 +43,13 @@ from moerun.kernels.torch_ops import X24, Route
 from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, topk_logits
 from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
-from moerun.kernels.triton.qmatvec import ACTIVATIONS, EXPERTS_AHEAD, chosen_experts, zero_after_barrier
+from moerun.kernels.triton.qmatvec import (
+    ACTIVATIONS,
+    EXPERTS_AHEAD,
+    chosen_experts,
+    experts_group,
+    zero_after_barrier,
+)
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
     WTile,
@@ -839,13 +845,8 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,
         **rconst, H24=h_out is not None, EMU=_EMU, num_warps=t.num_warps, num_stages=t.num_stages,
-        **launch_args(w_gate.device), **({"LATE": True} if late else {}))
+        LATE=late, **launch_args(w_gate.device))
     return out
-
-
-def experts_group(n_sel: int, experts_ahead: int) -> int:
-    """The experts `moe_down_i` loads ahead of their arithmetic: the largest divisor of n_sel up to experts_ahead."""
-    return max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
 
 
 def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor,

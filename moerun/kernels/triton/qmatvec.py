@@ -213,6 +213,11 @@ def _pin_float(w, z):
 EXPERTS_AHEAD = 2
 
 
+def experts_group(n_sel: int, experts_ahead: int) -> int:
+    """The experts a down kernel loads ahead of their arithmetic: the largest divisor of n_sel up to experts_ahead."""
+    return max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0)
+
+
 @triton.jit
 def chosen_experts(ids_ptr, wts_ptr, N_SEL: tl.constexpr):
     """The N_SEL chosen experts' ids (int64) and routing weights, all read up front: two tuples (the down kernels'
@@ -365,7 +370,7 @@ def moe_down(
     _check(qtype)
     n, f, n_sel = w_down.shape[1], h.shape[1], h.shape[0]
     t = tile or tile_for("down", qtype, n, f, n_sel, w_down.device)
-    eu = max(d for d in range(1, min(experts_ahead, n_sel) + 1) if n_sel % d == 0) if qtype in FLOATS else 1
+    eu = experts_group(n_sel, experts_ahead) if qtype in FLOATS else 1
     wt = _typed(w_down, qtype)
     _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
         wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
