@@ -22,12 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "droute": "the integer down kernel ranks the chosen experts itself from the router's logits and loads its first "
-              "experts' words before the PDL wait (imatvec.moe_down_i route; its gate/up launches it after its own "
-              "wait): Q4_K_M and Q8_0 down",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"droute": {"down_route": True}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

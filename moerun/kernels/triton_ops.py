@@ -44,14 +44,15 @@ class TritonOps:
     (the integer matvecs load their first K-step's weights before that wait, the RMSNorm and norm + router
     kernels their weights).
     down_route: the integer down kernel ranks the experts itself from the router's logits and loads its first
-    experts' words before that wait (its gate/up lets it launch only after its own wait; `imatvec.moe_down_i` route)."""
+    experts' words before that wait (its gate/up lets it launch only after its own wait; `imatvec.moe_down_i` route;
+    where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, down_route: bool = False) -> None:
+                 pdl: bool = True, down_route: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
