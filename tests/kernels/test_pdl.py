@@ -40,7 +40,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moerun.kernels.triton import decode_ops as dk, imatvec as ik
+from moerun.kernels.triton import decode_ops as dk, imatvec as ik, qmatvec as qk
 pdl = sys.argv[1] == "1"
 if sys.argv[2] == "rms_norm":  # the weight loaded before the wait
     fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
@@ -62,6 +62,10 @@ elif sys.argv[2] == "down_route":  # the Q4_K down ranking its experts from the 
                   BLOCK_K=8, PDL=pdl)
     types = {"w_ptr": "*i32", "w16_ptr": "*i16", "w8_ptr": "*i8", "hh_ptr": "*i64", "hl_ptr": "*i32",
              "ids_ptr": "*i32", "N": "i32", "stride_e": "i32", "E": "i32"}
+elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
+    fn = qk._qmatvec_kernel
+    consts = dict(N_BLOCKS=2048, QTYPE=1, HAS_RES=False, BM=2, NB=1024, PRE=True, PDL=pdl)
+    types = {"w_ptr": "*fp16", "M": "i32", "stride_m": "i32"}
 else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
     fn = ik._imv_kernel
     consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl)
@@ -83,14 +87,15 @@ def _ptx(kernel: str, pdl: bool) -> str:
     return r.stdout
 
 
-@pytest.mark.parametrize("kernel", ["rms_norm", "argmax", "imv"])
+@pytest.mark.parametrize("kernel", ["rms_norm", "argmax", "imv", "fmv_pre"])
 @pytest.mark.parametrize("on", [False, True])
 def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     """A PDL kernel (each starts with `pdl.begin`, or `trigger` / `wait`) compiled for sm_90: with PDL its PTX lets
     the next kernel launch, then waits before it reads anything the kernel before writes and before any store: the
-    argmax chunk before its first load; the integer matvec (`_imv_kernel`) and the RMSNorm load their weights before
-    the wait (nothing in the step writes them); without PDL neither instruction."""
-    pre = kernel in ("imv", "rms_norm")
+    argmax chunk before its first load; the integer matvec (`_imv_kernel`), the F16 byte matvec with `pre` (`fpre`)
+    and the RMSNorm load their weights before the wait (nothing in the step writes them); without PDL neither
+    instruction."""
+    pre = kernel in ("imv", "rms_norm", "fmv_pre")
     ptx = _ptx(kernel, on)
     first = re.search(r"\b(ld|st)\.global", ptx)
     store = re.search(r"\bst\.global", ptx)

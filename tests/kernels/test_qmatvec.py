@@ -18,9 +18,12 @@ import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from support.kernel_checks import check_bound as _check  # noqa: E402
 from support.kernel_checks import quant_weights as _weights  # noqa: E402
+from support.kernel_checks import router_logits  # noqa: E402
 from support.kernel_checks import vec as _vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
+from moerun.kernels.torch_ops import Route  # noqa: E402
+from moerun.kernels.triton.decode_ops import route_topk  # noqa: E402
 from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, Tile, moe_down, moe_gate_up, qmatvec  # noqa: E402
 
 # silu / gelu_tanh divide by 1 + exp(-z): exp overflows to inf for very negative inputs (exactly right)
@@ -62,6 +65,51 @@ def test_qmatvec(qtype, m, n_sb, small, res, device, rng) -> None:
     got = qmatvec(raw, int(qtype), x.to(device), out, residual, tile=tile)
     assert got is out
     _check(out, ref, bound, seed, f"{qtype.name} M={m} K={k} tile={tile}")
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n_sb,small", [(1, 1, False), (130, 3, True), (37, 2, False)])
+def test_qmatvec_pre(qtype, m, n_sb, small, device, rng) -> None:
+    """pre (`fpre`): the first K-step's weights loaded ahead (before the PDL wait on a GPU) give the plain kernel's
+    sums bit for bit: one step (the whole row), several with a masked tail (K = 3 super-blocks in 512-weight
+    steps), and a residual; within the float64 bound."""
+    gen, seed = rng
+    k = n_sb * SB
+    raw, dense = _weights(qtype, (m,), k, gen, device)
+    x = _vec(gen, k)
+    r = _vec(gen, m)
+    ref, bound = dense @ x.double() + r.double(), dense.abs() @ x.double().abs() + r.double().abs()
+    tile = _small_tile(qtype) if small else None
+    want = qmatvec(raw, int(qtype), x.to(device), r.to(device).clone(), r.to(device), tile=tile)
+    got = torch.full((m,), float("nan"), device=device)
+    qmatvec(raw, int(qtype), x.to(device), got, r.to(device), tile=tile, pre=True)
+    assert torch.equal(got, want), f"{qtype.name} M={m} K={k} tile={tile} (seed {seed})"
+    _check(got, ref, bound, seed, f"pre {qtype.name} M={m} K={k} tile={tile}")
+
+
+@pytest.mark.parametrize("e,n_sel,renorm,ties", [(6, 3, False, True), (64, 8, True, False), (37, 2, True, True)])
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q5_K], ids=lambda t: t.name)
+def test_moe_gate_up_routes(qtype, e, n_sel, renorm, ties, device, rng) -> None:
+    """With `route` (`broute`) the byte gate/up launch chooses the experts itself: ids (poisoned before), weights
+    (NaN before) and h equal route_topk's choice followed by the plain launch, bit for bit."""
+    gen, seed = rng
+    f, k = 37, 2 * SB
+    wg, _ = _weights(qtype, (e, f), k, gen, device)
+    wu, _ = _weights(qtype, (e, f), k, gen, device)
+    x = _vec(gen, k).to(device)
+    logits = router_logits(gen, e, n_sel, ties).to(device)
+    want_w = torch.full((n_sel,), float("nan"), device=device)
+    want_ids = torch.full((n_sel,), -1, device=device, dtype=torch.int32)
+    route_topk(logits, n_sel, renorm, want_w, want_ids)
+    tile = Tile(4, 2 * SB // GEOMETRY[qtype][0] // 2, 4)  # several programs per expert, two K-steps
+    want = moe_gate_up(wg, wu, int(qtype), int(qtype), x, want_ids, torch.empty(n_sel, f, device=device), tile=tile)
+    got_w, got_ids = torch.full_like(want_w, float("nan")), torch.full_like(want_ids, -1)
+    got = moe_gate_up(wg, wu, int(qtype), int(qtype), x, got_ids, torch.full((n_sel, f), float("nan"), device=device),
+                      route=Route(logits, got_w, renorm), tile=tile)
+    msg = f"seed={seed} {qtype.name} E={e} n_sel={n_sel} logits={logits.tolist()}"
+    assert torch.equal(got_ids, want_ids), msg
+    torch.testing.assert_close(got_w, want_w, rtol=2e-7, atol=0, msg=msg)
+    assert torch.equal(got, want), msg
 
 
 @pytest.mark.parametrize(

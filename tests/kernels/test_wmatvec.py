@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
-from support.kernel_checks import check_bound, matvec_case, quant_weights, vec  # noqa: E402
+from support.kernel_checks import check_bound, matvec_case, quant_weights, router_logits, vec  # noqa: E402
 
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.torch_ops import permute_k4, unpermute_k4  # noqa: E402
@@ -99,13 +99,7 @@ def test_moe_gate_up_w_routes(qtype, e, n_sel, renorm, ties, device, rng) -> Non
     wg, _ = quant_weights(int(qtype), (e, f), k, gen, device)
     wu, _ = quant_weights(int(qtype), (e, f), k, gen, device)
     xp = permute_k4(vec(gen, k)).to(device)
-    logits = torch.tensor(gen.standard_normal(e) * 2, dtype=torch.float32)
-    if ties:  # repeated values, one tie straddling the last chosen place; signed zeros (equal values)
-        logits = torch.round(logits * 2) / 2
-        top = torch.sort(logits, descending=True).values
-        logits[logits == top[n_sel]] = top[n_sel - 1]
-        logits[logits == 0] = torch.tensor([0.0, -0.0]).repeat(e)[: int((logits == 0).sum())]
-    logits = logits.to(device)
+    logits = router_logits(gen, e, n_sel, ties).to(device)
     want_w, want_ids = torch.full((n_sel,), float("nan"), device=device), torch.full((n_sel,), -1, device=device,
                                                                                        dtype=torch.int32)
     dk.route_topk(logits, n_sel, renorm, want_w, want_ids)

@@ -67,3 +67,15 @@ def matvec_case(dense: torch.Tensor, x: torch.Tensor, res: bool, rng: np.random.
     r = vec(rng, m)
     out.copy_(r.to(device))
     return out, out, ref + r.double(), bound + r.double().abs()
+
+
+def router_logits(rng: np.random.Generator, e: int, n_sel: int, ties: bool) -> torch.Tensor:
+    """float32 [E] router logits on the CPU; with `ties` repeated values, one tie straddling the n_sel-th place and
+    signed zeros (equal values), for kernels that rank experts themselves (ties go to the lower index)."""
+    logits = torch.tensor(rng.standard_normal(e) * 2, dtype=torch.float32)
+    if ties:
+        logits = torch.round(logits * 2) / 2
+        top = torch.sort(logits, descending=True).values
+        logits[logits == top[n_sel]] = top[n_sel - 1]
+        logits[logits == 0] = torch.tensor([0.0, -0.0]).repeat(e)[: int((logits == 0).sum())]
+    return logits

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
+from moerun.kernels.torch_ops import Route
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 
@@ -638,6 +639,35 @@ def store_topk(ids, xt, x, E, w_out_ptr, id_out_ptr, K: tl.constexpr, RENORM: tl
         wv = wv / tl.sum(wv, 0)
     tl.store(w_out_ptr + kk, wv, mask=kk < K)
     tl.store(id_out_ptr + kk, ids, mask=kk < K)
+
+
+@triton.jit
+def expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr,
+              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The expert of this gate/up program's selection slot (program_id(1)), int64: ids[slot]; or with ROUTE
+    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `topk_logits`), and then
+    program (0, 0) also stores the N_SEL chosen ids and weights into ids / wts for the down product."""
+    sel = tl.program_id(1)
+    if ROUTE:
+        ids, xt, x = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K)
+        if (sel == 0) & (tl.program_id(0) == 0):
+            store_topk(ids, xt, x, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_E, BLOCK_K)
+        eid = tl.sum(tl.where(tl.arange(0, BLOCK_K) == sel, ids, 0), 0)
+    else:
+        eid = tl.load(ids_ptr + sel)
+    return eid.to(tl.int64)
+
+
+def route_args(route: Route | None, ids: torch.Tensor) -> tuple[tuple, dict]:
+    """The routing arguments of the gate/up kernels: (route_ptr, wts_ptr, E) and their constexprs."""
+    if route is None:
+        return (ids, ids, 1), dict(ROUTE=False, N_SEL=ids.shape[0], RENORM=False, BLOCK_E=1, BLOCK_K=1)
+    e = route.logits.shape[-1]
+    if e > ROUTE_MAX_E:
+        raise ValueError(f"gate/up routes at most {ROUTE_MAX_E} experts itself, got {e}: route_topk first")
+    return ((route.logits, route.weights_out, e),
+            dict(ROUTE=True, N_SEL=ids.shape[0], RENORM=bool(route.renormalise), BLOCK_E=_np2(e),
+                 BLOCK_K=_np2(ids.shape[0])))
 
 
 @triton.jit

@@ -40,7 +40,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import X24, Route
-from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, topk_logits
+from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, expert_id, route_args, topk_logits
 from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 from moerun.kernels.triton.qmatvec import (
@@ -53,9 +53,7 @@ from moerun.kernels.triton.qmatvec import (
 from moerun.kernels.triton.wmatvec import (
     BYTES_Q6,
     WTile,
-    _expert_id,
     _half,
-    _route_args,
     _scale_min,
     _store_h,
     _total,
@@ -510,7 +508,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
                      LATE: tl.constexpr = False):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
-    `_expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
+    `expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
     H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
     counters cnt [n_sel F / 32] int32 zeros, left zero). LATE: the next kernel may launch only after this one's
     wait (so the router's logits are final before it starts: a routed down, `_idown_kernel` ROUTE)."""
@@ -522,7 +520,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     gs = eid * stride_ge + row0.to(tl.int64) * SW
     us = eid * stride_ue + row0.to(tl.int64) * SW
     wg, wg16, wg8 = wg_ptr + gs, wg16_ptr + 2 * gs, wg8_ptr + 4 * gs
@@ -840,7 +838,7 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
         hargs = (*h_out, counters)  # stored as int16 / uint8 values
     else:
         hargs = (out,) * 5
-    rargs, rconst = _route_args(route, ids)
+    rargs, rconst = route_args(route, ids)
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,

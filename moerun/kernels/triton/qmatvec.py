@@ -25,8 +25,10 @@ import triton
 import triton.language as tl
 
 from moerun.kernels.gpu import sm_count
+from moerun.kernels.torch_ops import Route
+from moerun.kernels.triton.decode_ops import expert_id, route_args
 from moerun.kernels.triton.outputs import perm_slot
-from moerun.kernels.triton.pdl import begin, launch_args
+from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 from moerun.kernels.triton.qblocks import float_words, row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
@@ -139,14 +141,26 @@ def _check(qtype: int) -> None:
 def _qmatvec_kernel(
     w_ptr, x_ptr, res_ptr, out_ptr, M, stride_m,
     N_BLOCKS: tl.constexpr, QTYPE: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PRE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(M, BM),). w: [M, row] bytes (or typed floats), x: [K] f32, res/out: [M] f32."""
-    begin(PDL)
+    """Grid (cdiv(M, BM),). w: [M, row] bytes (or typed floats), x: [K] f32, res/out: [M] f32. PRE (F32 / F16 /
+    BF16): the first K-step's weights are loaded before the PDL wait (nothing in the step writes weights), x after."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)  # [BM]
     rmask = rows < M
     wrow = w_ptr + rows.to(tl.int64) * stride_m
-    acc = row_dot(wrow, rmask, x_ptr, N_BLOCKS, QTYPE, BM, NB)
+    if PRE:
+        trigger(PDL)
+        k = tl.arange(0, NB)
+        km = k < N_BLOCKS
+        w0 = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, NB]
+        wait(PDL)
+        part = w0.to(tl.float32) * tl.load(x_ptr + k, mask=km, other=0.0)[None, :]  # `_float`'s first step
+        for kb in range(NB, N_BLOCKS, NB):
+            part += step(wrow, rmask, kb, N_BLOCKS, x_ptr, QTYPE, BM, NB)
+        acc = total(part, QTYPE)
+    else:
+        begin(PDL)
+        acc = row_dot(wrow, rmask, x_ptr, N_BLOCKS, QTYPE, BM, NB)
     if HAS_RES:
         acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
     tl.store(out_ptr + rows, acc, mask=rmask)
@@ -164,18 +178,20 @@ def _act(g, ACT: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    wg_ptr, wu_ptr, x_ptr, ids_ptr, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um, stride_out,
-    NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
-    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr,
+    wg_ptr, wu_ptr, x_ptr, ids_ptr, route_ptr, wts_ptr, E, out_ptr, F, stride_ge, stride_gm, stride_ue, stride_um,
+    stride_out, NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
+    BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
+    N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int, out: [n_sel, F]
-    (rows in natural order, or with PERM_OUT in the word kernels' order, `perm_slot`)."""
+    """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int (written with ROUTE:
+    `decode_ops.expert_id`), out: [n_sel, F] (rows in natural order, or with PERM_OUT in the word kernels' order,
+    `perm_slot`)."""
     begin(PDL)
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < F
-    eid = tl.load(ids_ptr + sel).to(tl.int64)
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     r64 = rows.to(tl.int64)
     wg = wg_ptr + eid * stride_ge + r64 * stride_gm
     wu = wu_ptr + eid * stride_ue + r64 * stride_um
@@ -296,11 +312,13 @@ def qmatvec(
     residual: torch.Tensor | None = None,
     *,
     tile: Tile | None = None,
+    pre: bool = False,
 ) -> torch.Tensor:
     """out[M] = W[M, K] @ x[K] (+ residual[M]), W dequantized on the fly from its GGUF bytes.
 
     w: uint8 [M, row_bytes] (rows contiguous), x: float32 [K] contiguous, out/residual: float32 [M]
-    (out may be residual). qtype: GGML type id in SUPPORTED. Returns out.
+    (out may be residual). qtype: GGML type id in SUPPORTED. pre (F32 / F16 / BF16; the others ignore it): the
+    first K-step's weights loaded before the PDL wait. Returns out.
     """
     _check(qtype)
     m, k = w.shape[0], x.shape[0]
@@ -309,7 +327,7 @@ def qmatvec(
     _qmatvec_kernel[(triton.cdiv(m, t.block_m),)](
         wt, x, out if residual is None else residual, out, m, wt.stride(0),
         N_BLOCKS=k // GEOMETRY[qtype][0], QTYPE=qtype, HAS_RES=residual is not None, BM=t.block_m, NB=t.nb,
-        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
+        PRE=pre and qtype in FLOATS, num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
     return out
 
 
@@ -325,12 +343,14 @@ def moe_gate_up(
     *,
     perm_out: bool = False,
     tile: Tile | None = None,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: float32 [K]; ids: int32/int64 [n_sel] on the device (read by
-    the kernel); out: float32 [n_sel, F] (rows contiguous; with perm_out each row in the word kernels'
-    order, F % 256 == 0). act: "silu" | "gelu_tanh". Returns out.
+    the kernel; with `route` written by it: each program ranks the router's logits itself and program (0, 0) stores
+    the chosen ids and route.weights_out, as `route_topk` would); out: float32 [n_sel, F] (rows contiguous; with
+    perm_out each row in the word kernels' order, F % 256 == 0). act: "silu" | "gelu_tanh". Returns out.
     """
     _check(qtype_gate)
     _check(qtype_up)
@@ -340,10 +360,11 @@ def moe_gate_up(
     t = tile or tile_for("gate_up", qtype_gate, f, k, n_sel, w_gate.device)
     nb_u = t.nb * GEOMETRY[qtype_gate][0] // GEOMETRY[qtype_up][0] if qtype_up != qtype_gate else t.nb
     wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
+    rargs, rconst = route_args(route, ids)
     _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
-        wg, wu, x, ids, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
+        wg, wu, x, ids, *rargs, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
-        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out,
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, **rconst,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
 

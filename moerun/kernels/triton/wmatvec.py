@@ -45,7 +45,7 @@ from gguf import GGMLQuantizationType
 
 from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route, permute_k4
-from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, store_topk, topk_logits
+from moerun.kernels.triton.decode_ops import expert_id, route_args
 from moerun.kernels.triton.outputs import perm_slot
 from moerun.kernels.triton.qgemm import _i8f
 from moerun.kernels.triton.qmatvec import ACTIVATIONS, _act
@@ -258,23 +258,6 @@ def _store_h(out_ptr, row, F, g, u, ACT: tl.constexpr, PERM_OUT: tl.constexpr):
 
 
 @triton.jit
-def _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The expert of this gate/up program's selection slot (program_id(1)), int64: ids[slot]; or with ROUTE
-    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `topk_logits`), and then
-    program (0, 0) also stores the N_SEL chosen ids and weights into ids / wts for the down product."""
-    sel = tl.program_id(1)
-    if ROUTE:
-        ids, xt, x = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K)
-        if (sel == 0) & (tl.program_id(0) == 0):
-            store_topk(ids, xt, x, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_E, BLOCK_K)
-        eid = tl.sum(tl.where(tl.arange(0, BLOCK_K) == sel, ids, 0), 0)
-    else:
-        eid = tl.load(ids_ptr + sel)
-    return eid.to(tl.int64)
-
-
-@triton.jit
 def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, route_ptr, wts_ptr, E, out_ptr, F, stride_ge, stride_ue,
                      stride_out, fq_mask, fq_one, N_BLOCKS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
                      ACT: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr, N_SEL: tl.constexpr,
@@ -284,7 +267,7 @@ def _wgate_up_kernel(wg_ptr, wu_ptr, x_ptr, ids_ptr, route_ptr, wts_ptr, E, out_
     SW: tl.constexpr = 36 * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     wg = wg_ptr + eid * stride_ge + row0.to(tl.int64) * SW
     wu = wu_ptr + eid * stride_ue + row0.to(tl.int64) * SW
     ga, gm = _zeros_rows(R, NB)
@@ -359,18 +342,6 @@ def qmatvec_w(w: torch.Tensor, xp: torch.Tensor, out: torch.Tensor, residual: to
     return out
 
 
-def _route_args(route: Route | None, ids: torch.Tensor) -> tuple[tuple, dict]:
-    """The routing arguments of the gate/up kernels: (route_ptr, wts_ptr, E) and their constexprs."""
-    if route is None:
-        return (ids, ids, 1), dict(ROUTE=False, N_SEL=ids.shape[0], RENORM=False, BLOCK_E=1, BLOCK_K=1)
-    e = route.logits.shape[-1]
-    if e > ROUTE_MAX_E:
-        raise ValueError(f"gate/up routes at most {ROUTE_MAX_E} experts itself, got {e}: route_topk first")
-    return ((route.logits, route.weights_out, e),
-            dict(ROUTE=True, N_SEL=ids.shape[0], RENORM=bool(route.renormalise), BLOCK_E=_np2(e),
-                 BLOCK_K=_np2(ids.shape[0])))
-
-
 def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor,
                   out: torch.Tensor, act: str = "silu", *, perm_out: bool = False,
                   tile: WTile | None = None, route: Route | None = None) -> torch.Tensor:
@@ -386,7 +357,7 @@ def moe_gate_up_w(w_gate: torch.Tensor, w_up: torch.Tensor, xp: torch.Tensor, id
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
     t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile)
     wg, wu = _words(w_gate, k), _words(w_up, k)
-    rargs, rconst = _route_args(route, ids)
+    rargs, rconst = route_args(route, ids)
     _wgate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         wg, wu, xp, ids, *rargs, out, f, wg.stride(0), wu.stride(0), out.stride(0), FQ_MASK, FQ_ONE,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
@@ -651,7 +622,7 @@ def _wgate_upx_kernel(g32_ptr, g16_ptr, g8_ptr, u32_ptr, u16_ptr, u8_ptr, x_ptr,
     ids / routing as `_wgate_up_kernel`."""
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    eid = _expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     first = row0.to(tl.int64) * (GU * N_BLOCKS)
     gp, gh, gb, glead = _xbase(QT, g32_ptr, g16_ptr, g8_ptr, eid * stride_ge + first)
     up, uh, ub, ulead = _xbase(QT, u32_ptr, u16_ptr, u8_ptr, eid * stride_ue + first)
@@ -767,7 +738,7 @@ def _moe_gate_up_x(qtype: int, w_gate: torch.Tensor, w_up: torch.Tensor, xp: tor
     if gu != gu_up:
         raise ValueError("gate and up must have the same layout (rows of the same size)")
     t = wtile_for("gate_up", f, k, f * n_sel, w_gate.device, tile, qt)
-    rargs, rconst = _route_args(route, ids)
+    rargs, rconst = route_args(route, ids)
     _wgate_upx_kernel[(triton.cdiv(f, t.rows), n_sel)](
         g32, g16, g8, u32, u16, u8, xp, ids, *rargs, out, f, sg, su, out.stride(0), QT=qt, GU=gu,
         N_BLOCKS=k // 256, R=t.rows, NB=t.nb, ACT=ACTIVATIONS[act], PERM_OUT=perm_out, **rconst,
