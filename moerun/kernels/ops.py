@@ -22,13 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "broute": "the byte-decoding gate/up (F16 / BF16 / F32 files' experts) ranks the chosen experts itself "
-              "instead of a route_topk launch before it (qmatvec.moe_gate_up route)",
-    "fpre": "the byte-decoding matvec of F32 / F16 / BF16 loads its first K-step's weights before the PDL wait "
-            "(qmatvec.qmatvec pre)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"broute": {"byte_route": True}, "fpre": {"float_pre": True}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

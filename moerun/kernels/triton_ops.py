@@ -46,17 +46,17 @@ class TritonOps:
     down_route: the integer down kernel ranks the experts itself from the router's logits and loads its first
     experts' words before that wait (its gate/up lets it launch only after its own wait; `imatvec.moe_down_i` route;
     where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before).
-    byte_route: the byte-decoding gate/up (F16 / BF16 / F32 and the types without word or integer kernels) ranks
-    the experts itself, as the word and integer ones do, instead of a route_topk launch before it.
-    float_pre: the byte-decoding matvec of F32 / F16 / BF16 loads its first K-step's weights before the PDL wait."""
+
+    Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
+    router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
+    F16 / BF16 loads its first K-step's weights before the PDL wait (NOTES.md 8i)."""
 
     name = "triton"
 
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, down_route: bool = True, byte_route: bool = False,
-                 float_pre: bool = False) -> None:
+                 pdl: bool = True, down_route: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -64,7 +64,6 @@ class TritonOps:
         self.down_ahead = down_ahead
         self.pdl = pdl
         self.down_route = down_route
-        self.byte_route, self.float_pre = byte_route, float_pre
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -141,7 +140,7 @@ class TritonOps:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
-        return qk.qmatvec(w, qtype, x, out, residual, pre=self.float_pre)
+        return qk.qmatvec(w, qtype, x, out, residual)
 
     def qmatvecs(self, prods: list[tuple[torch.Tensor, int, torch.Tensor]], x: torch.Tensor,
                  x_perm: torch.Tensor | None = None, x24: ik.X24 | None = None) -> None:
@@ -179,7 +178,7 @@ class TritonOps:
             return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out,
                                                      route=route)
         byte = qtype_gate in qk.SUPPORTED and qtype_up in qk.SUPPORTED
-        if route is not None and not (byte and self.byte_route):
+        if route is not None and not byte:  # the torch fallback
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             route = None
         if not byte:

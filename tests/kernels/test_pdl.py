@@ -92,7 +92,7 @@ def _ptx(kernel: str, pdl: bool) -> str:
 def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     """A PDL kernel (each starts with `pdl.begin`, or `trigger` / `wait`) compiled for sm_90: with PDL its PTX lets
     the next kernel launch, then waits before it reads anything the kernel before writes and before any store: the
-    argmax chunk before its first load; the integer matvec (`_imv_kernel`), the F16 byte matvec with `pre` (`fpre`)
+    argmax chunk before its first load; the integer matvec (`_imv_kernel`), the F16 byte matvec with `pre` (the default)
     and the RMSNorm load their weights before the wait (nothing in the step writes them); without PDL neither
     instruction."""
     pre = kernel in ("imv", "rms_norm", "fmv_pre")
