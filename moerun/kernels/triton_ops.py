@@ -46,6 +46,8 @@ class TritonOps:
     down_route: the integer down kernel ranks the experts itself from the router's logits and loads its first
     experts' words before that wait (its gate/up lets it launch only after its own wait; `imatvec.moe_down_i` route;
     where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before).
+    attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
+    attn_maxnreg: its cap on registers per thread (None: ptxas chooses; 158 at OLMoE's shape, 3 programs per SM).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -56,7 +58,9 @@ class TritonOps:
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, down_route: bool = True) -> None:
+                 pdl: bool = True, down_route: bool = True,
+                 attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
+                 attn_maxnreg: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -64,6 +68,8 @@ class TritonOps:
         self.down_ahead = down_ahead
         self.pdl = pdl
         self.down_route = down_route
+        self.attn_block_n, self.attn_warps, self.attn_pps = attn_tile
+        self.attn_maxnreg = attn_maxnreg
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -258,7 +264,8 @@ class TritonOps:
         key = (k_cache.shape[0], H, Dv, out.device)
         scratch = self._attn_scratch.get(key)
         if scratch is None:
-            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device))  # one wave of split programs
+            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device), self.attn_block_n,
+                                         self.attn_pps)  # one wave of split programs
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
         return scratch
 
@@ -278,7 +285,8 @@ class TritonOps:
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out))
+                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
+                            block_n=self.attn_block_n, num_warps=self.attn_warps, maxnreg=self.attn_maxnreg)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -292,7 +300,8 @@ class TritonOps:
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out))
+                            out_x24=out_x24, counters=self._attn_counters(out), block_n=self.attn_block_n,
+                            num_warps=self.attn_warps, maxnreg=self.attn_maxnreg)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
