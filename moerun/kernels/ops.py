@@ -22,11 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "attnr128": "the split attention's registers capped at 128 per thread (158 uncapped, a few spills) so 4 programs "
-                "fit an SM, and its split policy aims at 4 (3 by default): a third more KV bytes in flight",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnr128": {"attn_tile": (64, 4, 4), "attn_maxnreg": 128}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 
