@@ -46,6 +46,8 @@ class TritonOps:
     down_route: the integer down kernel ranks the experts itself from the router's logits and loads its first
     experts' words before that wait (its gate/up lets it launch only after its own wait; `imatvec.moe_down_i` route;
     where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before).
+    byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
+    ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
     attn_maxnreg: its cap on registers per thread (None: ptxas chooses; 158 at OLMoE's shape, 3 programs per SM).
 
@@ -58,7 +60,7 @@ class TritonOps:
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, down_route: bool = True,
+                 pdl: bool = True, down_route: bool = True, byte_down_route: bool = False,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
                  attn_maxnreg: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
@@ -67,7 +69,8 @@ class TritonOps:
         self.qkv_fused = qkv_fused
         self.down_ahead = down_ahead
         self.pdl = pdl
-        self.down_route = down_route
+        self.down_route, self.byte_down_route = down_route, byte_down_route
+        self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_block_n, self.attn_warps, self.attn_pps = attn_tile
         self.attn_maxnreg = attn_maxnreg
         self._repack_warned = False
@@ -170,6 +173,7 @@ class TritonOps:
         launch, the other paths launch route_topk first. h_x24: out also quantized (for an integer-dot down; the
         integer gate/up only, so x24 must be given)."""
         k = x.shape[-1]
+        self._late_route = None
         if route is not None and route.logits.shape[-1] > dk.ROUTE_MAX_E:  # too many experts to rank in gate/up
             self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             route = None
@@ -189,8 +193,10 @@ class TritonOps:
             route = None
         if not byte:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
+        late = route is not None and self.byte_down_route
+        self._late_route = route if late else None
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
-                              route=route)
+                              route=route, late=late)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
@@ -206,7 +212,11 @@ class TritonOps:
             return wk.KERNELS["down"][qtype](w_down, h, ids, weights, residual, out)
         if qtype not in qk.SUPPORTED:
             return TorchOps.moe_down(w_down, qtype, h, ids, weights, residual, out)
-        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead)
+        routed = (route is not None and route is self._late_route and qtype in qk.FLOATS
+                  and qk.experts_group(ids.shape[0], self.down_ahead) > 1)
+        self._late_route = None
+        return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead,
+                           route=route if routed else None)
 
     def _routed_down(self, route: Route | None, h_x24: ik.X24 | None, ids: torch.Tensor) -> bool:
         """Whether the integer gate/up (routing itself, writing h_x24) and down of a layer run as `down_route`

@@ -62,6 +62,17 @@ elif sys.argv[2] == "down_route":  # the Q4_K down ranking its experts from the 
                   BLOCK_K=8, PDL=pdl)
     types = {"w_ptr": "*i32", "w16_ptr": "*i16", "w8_ptr": "*i8", "hh_ptr": "*i64", "hl_ptr": "*i32",
              "ids_ptr": "*i32", "N": "i32", "stride_e": "i32", "E": "i32"}
+elif sys.argv[2] == "byte_gate_up_late":  # the routed F16 gate/up before a routed byte down
+    fn = qk._moe_gate_up_kernel
+    consts = dict(NBLK_G=2048, NBLK_U=2048, QG=1, QU=1, ACT=0, BM=2, NBG=1024, NBU=1024, PERM_OUT=False, ROUTE=True,
+                  N_SEL=8, RENORM=False, BLOCK_E=64, BLOCK_K=8, PDL=pdl, LATE=True)
+    types = {"wg_ptr": "*fp16", "wu_ptr": "*fp16", "ids_ptr": "*i32"}
+    types |= {p: "i32" for p in ("E", "F", "stride_ge", "stride_gm", "stride_ue", "stride_um", "stride_out")}
+elif sys.argv[2] == "byte_down_route":  # the F16 down ranking its experts from the logits, 2 ahead
+    fn = qk._moe_down_kernel
+    consts = dict(N_BLOCKS=1024, N_SEL=8, QTYPE=1, BM=2, NB=1024, EU=2, ROUTE=True, BLOCK_E=64, BLOCK_K=8, PDL=pdl)
+    types = {"w_ptr": "*fp16", "ids_ptr": "*i32"}
+    types |= {p: "i32" for p in ("N", "stride_e", "stride_m", "stride_h", "E")}
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
     fn = qk._qmatvec_kernel
     consts = dict(N_BLOCKS=2048, QTYPE=1, HAS_RES=False, BM=2, NB=1024, PRE=True, PDL=pdl)
@@ -108,18 +119,21 @@ def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     assert (first.start() < wait) == pre
 
 
-def test_routed_down_pair() -> None:
-    """`droute` (sm_90 PTX with PDL): the gate/up before a routed down lets it launch only after its own wait (so the
-    router's logits are final when the down starts) and touches nothing before that wait; the down triggers at once,
-    reads the logits past L1 (`ld.global.cg`) and its first experts' words before its wait, and stores after it."""
-    ptx = _ptx("gate_up_late", True)
+@pytest.mark.parametrize(("gate_up", "down", "min_loads"), [("gate_up_late", "down_route", 2 * 4 * 2),
+                                                          ("byte_gate_up_late", "byte_down_route", 2)])
+def test_routed_down_pair(gate_up: str, down: str, min_loads: int) -> None:
+    """`droute` (integer kernels) and `bdroute` (F16's byte kernels), sm_90 PTX with PDL: the gate/up before a routed
+    down lets it launch only after its own wait (so the router's logits are final when the down starts) and touches
+    nothing before that wait; the down triggers at once, reads the logits past L1 (`ld.global.cg`) and its first
+    experts' weights before its wait (integer: 2 experts x 4 blocks x 2 rows at least), and stores after it."""
+    ptx = _ptx(gate_up, True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first = re.search(r"\b(ld|st)\.global", ptx)
     assert 0 <= wait < trig and first is not None and wait < first.start()
-    ptx = _ptx("down_route", True)
+    ptx = _ptx(down, True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     logits = ptx.find("ld.global.cg")
     loads_before = len(re.findall(r"\bld\.global", ptx[:wait]))
     store = re.search(r"\bst\.global", ptx)
     assert 0 <= trig < logits < wait < store.start()
-    assert loads_before > 2 * 4 * 2, f"{loads_before} loads before the wait"  # 2 experts x 4 blocks x 2 rows, at least
+    assert loads_before > min_loads, f"{loads_before} loads before the wait"

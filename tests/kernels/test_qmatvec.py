@@ -137,6 +137,15 @@ def test_moe_gate_up(qg, qu, device, rng) -> None:
         _check(out, ref, bound, seed, f"gate_up {qg.name}/{qu.name} ids={ids_list} {act} tile={tile}")
 
 
+def _down_ref(dw: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, wts: torch.Tensor, r: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 r + sum_i wts[i] Wd[ids[i]] @ h[i] and its bound (the same with every term's magnitude): [N] each."""
+    parts = torch.einsum("snf,sf->sn", dw[ids], h.double())  # [n_sel, N]
+    bounds = torch.einsum("snf,sf->sn", dw[ids].abs(), h.double().abs())
+    return (r.double() + (wts.double()[:, None] * parts).sum(0),
+            r.double().abs() + (wts.double()[:, None] * bounds).sum(0))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_moe_down(qtype, device, rng) -> None:
     gen, seed = rng
@@ -148,14 +157,45 @@ def test_moe_down(qtype, device, rng) -> None:
         h = _vec(gen, n_sel, f)
         wts = torch.from_numpy(gen.uniform(0.05, 1.0, n_sel).astype(np.float32))
         r = _vec(gen, n)
-        parts = torch.einsum("snf,sf->sn", dw[ids], h.double())  # [n_sel, N]
-        bounds = torch.einsum("snf,sf->sn", dw[ids].abs(), h.double().abs())
-        ref = r.double() + (wts.double()[:, None] * parts).sum(0)
-        bound = r.double().abs() + (wts.double()[:, None] * bounds).sum(0)
+        ref, bound = _down_ref(dw, ids, h, wts, r)
         out = r.to(device)  # out aliases residual
         tile = _small_tile(qtype) if small else None
         moe_down(w, int(qtype), h.to(device), ids.to(device), wts.to(device), out, out, tile=tile)
         _check(out, ref, bound, seed, f"down {qtype.name} ids={ids_list} tile={tile}")
+
+
+@pytest.mark.parametrize("qtype,f,ahead", [(T.F16, 512, 2), (T.BF16, 768, 2), (T.F32, 512, 4)], ids=str)
+def test_moe_down_route(qtype, f, ahead, device, rng) -> None:
+    """route (`bdroute`): the byte down ranks the experts itself from the router's logits (top-4 of 6, a tie at the
+    lowest rank broken to the lower index, as the gate/up's `topk_logits`) and never reads ids (poisoned out of
+    range); within the float64 bound and, in the interpreter, the ids-given result bit for bit. Refused with
+    experts_ahead 1, a quantized type (one expert at a time) or too many experts."""
+    gen, seed = rng
+    e, n = 6, 37
+    ids = torch.tensor([1, 3, 0, 5], dtype=torch.int32)
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.5, 0.25, 0.5])  # best: 1, 3, then 0 and 5 tied (0), 4
+    w, dw = _weights(qtype, (e, n), f, gen, device)
+    h = _vec(gen, 4, f)
+    wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
+    r = _vec(gen, n)
+    ref, bound = _down_ref(dw, ids, h, wts, r)
+    h, wts, r = h.to(device), wts.to(device), r.to(device)
+    want = moe_down(w, int(qtype), h, ids.to(device), wts, r, torch.full((n,), float("nan"), device=device),
+                    experts_ahead=ahead)
+    route = Route(logits.to(device), wts, False)
+    bad = torch.full((4,), 1 << 30, dtype=torch.int32, device=device)  # read as ids, these would fault or NaN
+    got = moe_down(w, int(qtype), h, bad, wts, r, torch.full((n,), float("nan"), device=device), experts_ahead=ahead,
+                   route=route)
+    _check(got, ref, bound, seed, f"down {qtype.name} route ahead={ahead}")
+    if device.type == "cpu":
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="experts_ahead > 1"):
+        moe_down(w, int(qtype), h, bad, wts, r, got, experts_ahead=1, route=route)
+    wq, _ = _weights(T.Q8_0, (e, n), f, gen, device)
+    with pytest.raises(ValueError, match="experts_ahead > 1"):
+        moe_down(wq, int(T.Q8_0), h, bad, wts, r, got, route=route)
+    with pytest.raises(ValueError, match="at most 256 experts"):
+        moe_down(w, int(qtype), h, bad, wts, r, got, route=Route(torch.zeros(300, device=device), wts, False))
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32, T.Q4_K], ids=lambda t: t.name)
@@ -170,9 +210,7 @@ def test_moe_down_experts_ahead(qtype, device, rng) -> None:
     h = _vec(gen, 4, f)
     wts = torch.from_numpy(gen.uniform(0.05, 1.0, 4).astype(np.float32))
     r = _vec(gen, n)
-    ref = r.double() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids], h.double())).sum(0)
-    bound = r.double().abs() + (wts.double()[:, None] * torch.einsum("snf,sf->sn", dw[ids].abs(),
-                                                                      h.double().abs())).sum(0)
+    ref, bound = _down_ref(dw, ids, h, wts, r)
     args = (w, int(qtype), h.to(device), ids.to(device), wts.to(device), r.to(device))
     for tile in (None, Tile(block_m=4, nb=256 // GEOMETRY[qtype][0], num_warps=2)):
         one = moe_down(*args, torch.full((n,), float("nan"), device=device), tile=tile, experts_ahead=1)

@@ -674,6 +674,31 @@ def route_args(route: Route | None, ids: torch.Tensor) -> tuple[tuple, dict]:
 
 
 @triton.jit
+def ranked_experts(route_ptr, E, N_SEL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The N_SEL best experts of the router's logits [E] (`topk_logits`, as the gate/up launch chose them), int64,
+    one tuple; the logits read from L2 (`.cg`: written by the kernel two before a routed down)."""
+    ids, _, _ = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K, True)
+    kk = tl.arange(0, BLOCK_K)
+    eids = ()
+    for i in tl.static_range(N_SEL):
+        eids = eids + (tl.sum(tl.where(kk == i, ids, 0), 0).to(tl.int64),)
+    return eids
+
+
+def down_route_args(route: Route | None, ids: torch.Tensor, eu: int, kernel: str) -> tuple[tuple, dict]:
+    """The routing arguments (route_ptr, E) and constexprs of a down launch that ranks the experts itself from
+    route.logits (`ranked_experts`); (ids, 1) and none without a route. Raises ValueError where it cannot: one expert
+    at a time (eu 1) or more than ROUTE_MAX_E experts."""
+    if route is None:
+        return (ids, 1), {}
+    e = route.logits.shape[-1]
+    if eu == 1 or e > ROUTE_MAX_E:
+        raise ValueError(f"{kernel} ranks experts itself only with experts_ahead > 1 (here {eu}) and at most "
+                         f"{ROUTE_MAX_E} experts (here {e})")
+    return (route.logits, e), dict(ROUTE=True, BLOCK_E=_np2(e), BLOCK_K=_np2(ids.shape[0]))
+
+
+@triton.jit
 def _route_topk_kernel(logits_ptr, w_out_ptr, id_out_ptr, E, K: tl.constexpr, RENORM: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program. logits: [E] f32 -> weights_out [K] f32, ids_out [K] int32."""

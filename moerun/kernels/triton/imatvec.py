@@ -40,7 +40,12 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from moerun.kernels.torch_ops import X24, Route
-from moerun.kernels.triton.decode_ops import ROUTE_MAX_E, _np2, expert_id, route_args, topk_logits
+from moerun.kernels.triton.decode_ops import (
+    down_route_args,
+    expert_id,
+    ranked_experts,
+    route_args,
+)
 from moerun.kernels.triton.outputs import store_x24
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 from moerun.kernels.triton.qmatvec import (
@@ -606,18 +611,6 @@ def _irows_with_x(QT: tl.constexpr, ws, xh_ptr, xl_ptr, xs_ptr, xsum_ptr, N_BLOC
 
 
 @triton.jit
-def _ranked_experts(route_ptr, E, N_SEL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The N_SEL best experts of the router's logits [E] (`topk_logits`, as the gate/up launch chose them), int64,
-    one tuple; the logits read from L2 (`.cg`: written by the kernel two before this one)."""
-    ids, _, _ = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K, True)
-    kk = tl.arange(0, BLOCK_K)
-    eids = ()
-    for i in tl.static_range(N_SEL):
-        eids = eids + (tl.sum(tl.where(kk == i, ids, 0), 0).to(tl.int64),)
-    return eids
-
-
-@triton.jit
 def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_ptr, hsum_ptr, ids_ptr, wts_ptr,
                    row0, N, stride_e, accs, accms, SW: tl.constexpr, N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr,
                    R: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, EU: tl.constexpr, EMU: tl.constexpr,
@@ -629,7 +622,7 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
     here from the router's logits and the first group's words loaded before the PDL wait (nothing in the step writes
     weights), ids_ptr never read; h and the routing weights after it."""
     if ROUTE:
-        eids = _ranked_experts(route_ptr, E, N_SEL, BLOCK_E, BLOCK_K)
+        eids = ranked_experts(route_ptr, E, N_SEL, BLOCK_E, BLOCK_K)
         first = ()
         for u in tl.static_range(EU):
             start = eids[u] * stride_e + row0.to(tl.int64) * SW
@@ -861,13 +854,7 @@ def moe_down_i(w_down: torch.Tensor, h: X24, ids: torch.Tensor, weights: torch.T
     n, f, n_sel = w_down.shape[1], h.hi.shape[-1], h.hi.shape[0]
     views, units, qt = _iviews(qtype, w_down, f)
     eu = experts_group(n_sel, experts_ahead)
-    rargs, rconst = (ids, 1), {}
-    if route is not None:
-        e = route.logits.shape[-1]
-        if eu == 1 or e > ROUTE_MAX_E:
-            raise ValueError(f"moe_down_i ranks experts itself only with experts_ahead > 1 (here {eu}) and at most "
-                             f"{ROUTE_MAX_E} experts (here {e})")
-        rargs, rconst = (route.logits, e), dict(ROUTE=True, BLOCK_E=_np2(e), BLOCK_K=_np2(n_sel))
+    rargs, rconst = down_route_args(route, ids, eu, "moe_down_i")
     t = wtile_for("down", n, f, n, w_down.device, tile or AHEAD_TILES.get((eu, qt)) or _itile("down", qt, n))
     _idown_kernel[(triton.cdiv(n, t.rows),)](
         *views, *_xviews(h, f), ids, weights, residual, out, n, views[0].stride(0),

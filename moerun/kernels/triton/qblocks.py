@@ -211,12 +211,23 @@ def _q5_0(wrow, rmask, kb, n_blocks, x_ptr, BM: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def float_w(wrow, rmask, kb, n_blocks, NB: tl.constexpr):
+    """F32 / F16 / BF16 weights [BM, NB] as stored, elements kb .. kb+NB-1 of each row (0 past n_blocks)."""
+    k = kb + tl.arange(0, NB)
+    return tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & (k < n_blocks)[None, :], other=0.0)
+
+
+@triton.jit
+def float_x(x_ptr, kb, n_blocks, NB: tl.constexpr):
+    """x [NB] f32, elements kb .. kb+NB-1 (0 past n_blocks)."""
+    k = kb + tl.arange(0, NB)
+    return tl.load(x_ptr + k, mask=k < n_blocks, other=0.0)
+
+
+@triton.jit
 def float_words(wrow, rmask, kb, n_blocks, x_ptr, NB: tl.constexpr):
     """`_float`'s loads: F32 / F16 / BF16 weights [BM, NB] as stored, x [NB] f32 (masked past n_blocks)."""
-    k = kb + tl.arange(0, NB)
-    km = k < n_blocks
-    w = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-    return w, tl.load(x_ptr + k, mask=km, other=0.0)
+    return float_w(wrow, rmask, kb, n_blocks, NB), float_x(x_ptr, kb, n_blocks, NB)
 
 
 @triton.jit

@@ -26,10 +26,10 @@ import triton.language as tl
 
 from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route
-from moerun.kernels.triton.decode_ops import expert_id, route_args
+from moerun.kernels.triton.decode_ops import down_route_args, expert_id, ranked_experts, route_args
 from moerun.kernels.triton.outputs import perm_slot
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
-from moerun.kernels.triton.qblocks import float_words, row_dot, step, total, zeros
+from moerun.kernels.triton.qblocks import float_w, float_words, float_x, row_dot, step, total, zeros
 
 # GGML type id -> (block_size, type_size, torch dtype the row bytes are viewed as, or None for raw bytes)
 GEOMETRY: dict[int, tuple[int, int, torch.dtype | None]] = {
@@ -150,11 +150,9 @@ def _qmatvec_kernel(
     wrow = w_ptr + rows.to(tl.int64) * stride_m
     if PRE:
         trigger(PDL)
-        k = tl.arange(0, NB)
-        km = k < N_BLOCKS
-        w0 = tl.load(wrow[:, None] + k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, NB]
+        w0 = float_w(wrow, rmask, 0, N_BLOCKS, NB)  # [BM, NB]
         wait(PDL)
-        part = w0.to(tl.float32) * tl.load(x_ptr + k, mask=km, other=0.0)[None, :]  # `_float`'s first step
+        part = w0.to(tl.float32) * float_x(x_ptr, 0, N_BLOCKS, NB)[None, :]  # `_float`'s first step
         for kb in range(NB, N_BLOCKS, NB):
             part += step(wrow, rmask, kb, N_BLOCKS, x_ptr, QTYPE, BM, NB)
         acc = total(part, QTYPE)
@@ -182,12 +180,17 @@ def _moe_gate_up_kernel(
     stride_out, NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
     BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
     N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int (written with ROUTE:
     `decode_ops.expert_id`), out: [n_sel, F] (rows in natural order, or with PERM_OUT in the word kernels' order,
-    `perm_slot`)."""
-    begin(PDL)
+    `perm_slot`). LATE: the next kernel may launch only after this one's wait (so the router's logits are final
+    before it starts: a routed down, `_moe_down_kernel` ROUTE)."""
+    if LATE:
+        wait(PDL)
+        trigger(PDL)
+    else:
+        begin(PDL)
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < F
@@ -262,30 +265,53 @@ def zero_after_barrier(p):
 def _moe_down_kernel(
     w_ptr, h_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, N, stride_e, stride_m, stride_h,
     N_BLOCKS: tl.constexpr, N_SEL: tl.constexpr, QTYPE: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-    EU: tl.constexpr,
-    PDL: tl.constexpr = False,
+    EU: tl.constexpr, route_ptr, E, ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
+    BLOCK_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BM),). w: [E, N, row] bytes, h: [n_sel, F] f32, ids/wts: [n_sel], res/out: [N] f32.
 
     Experts are summed inside the program in order i = 0 .. n_sel-1 (deterministic, no atomics). EU > 1 (F32 / F16 /
     BF16 only): the weights and h of EU experts (every K-step unrolled) are loaded before any of their arithmetic (a
-    CTA barrier, then a zero read ORed into the weights), the same sums in the same order.
+    CTA barrier, then a zero read ORed into the weights), the same sums in the same order. ROUTE (EU > 1): the ids
+    ranked from the router's logits [E] at route_ptr (`ranked_experts`) and the first EU experts' weights loaded
+    before the PDL wait (ids_ptr never read; h and the routing weights after it); the launch before must be a LATE
+    gate/up, so that the logits are final when this one starts.
     """
-    begin(PDL)
+    tl.static_assert(EU > 1 or not ROUTE)
+    if ROUTE:
+        trigger(PDL)
+    else:
+        begin(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     r64 = rows.to(tl.int64) * stride_m
     acc = tl.zeros([BM], dtype=tl.float32)
     if EU > 1:
         STEPS: tl.constexpr = (N_BLOCKS + NB - 1) // NB  # the last may be partial (masked), as in row_dot
-        eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
+        if ROUTE:
+            eids = ranked_experts(route_ptr, E, N_SEL, BLOCK_E, BLOCK_K)
+            first = ()
+            for u in tl.static_range(EU):
+                for j in tl.static_range(STEPS):
+                    first = first + (float_w(w_ptr + eids[u] * stride_e + r64, rmask, j * NB, N_BLOCKS, NB),)
+            wait(PDL)
+            wts = ()
+            for i in tl.static_range(N_SEL):
+                wts = wts + (tl.load(wts_ptr + i),)
+            pin_ptr = wts_ptr  # weights >= 0: `zero_after_barrier`'s sign bit
+        else:
+            eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
+            pin_ptr = ids_ptr
         for g in tl.static_range(0, N_SEL, EU):
             pend = ()
             for u in tl.static_range(EU):
                 for j in tl.static_range(STEPS):
-                    pend = pend + (float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
-                                                h_ptr + (g + u) * stride_h, NB),)
-            z = zero_after_barrier(ids_ptr)  # the loads above are issued before any arithmetic below waits on them
+                    if ROUTE and g == 0:
+                        pend = pend + ((first[u * STEPS + j], float_x(h_ptr + u * stride_h, j * NB, N_BLOCKS, NB)),)
+                    else:
+                        pend = pend + (float_words(w_ptr + eids[g + u] * stride_e + r64, rmask, j * NB, N_BLOCKS,
+                                                    h_ptr + (g + u) * stride_h, NB),)
+            z = zero_after_barrier(pin_ptr)  # the loads above are issued before any arithmetic below waits on them
             for u in tl.static_range(EU):
                 part = zeros(QTYPE, BM, NB)
                 for j in tl.static_range(STEPS):
@@ -344,13 +370,15 @@ def moe_gate_up(
     perm_out: bool = False,
     tile: Tile | None = None,
     route: Route | None = None,
+    late: bool = False,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
     w_gate/w_up: uint8 [E, F, row_bytes]; x: float32 [K]; ids: int32/int64 [n_sel] on the device (read by
     the kernel; with `route` written by it: each program ranks the router's logits itself and program (0, 0) stores
     the chosen ids and route.weights_out, as `route_topk` would); out: float32 [n_sel, F] (rows contiguous; with
-    perm_out each row in the word kernels' order, F % 256 == 0). act: "silu" | "gelu_tanh". Returns out.
+    perm_out each row in the word kernels' order, F % 256 == 0). act: "silu" | "gelu_tanh". late: the next launch
+    starts only after this one's PDL wait (before a `moe_down` with `route`). Returns out.
     """
     _check(qtype_gate)
     _check(qtype_up)
@@ -364,7 +392,7 @@ def moe_gate_up(
     _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
         wg, wu, x, ids, *rargs, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
-        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, **rconst,
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, **rconst, LATE=late,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
 
@@ -380,21 +408,26 @@ def moe_down(
     *,
     tile: Tile | None = None,
     experts_ahead: int = EXPERTS_AHEAD,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]), summed in order i = 0..n_sel-1.
 
     w_down: uint8 [E, N, row_bytes]; h: float32 [n_sel, F] (rows contiguous); ids: int32/int64 [n_sel];
     weights: float32 [n_sel]; residual/out: float32 [N] (out may be residual). experts_ahead (F32 / F16 / BF16; the
     other types ignore it): the experts whose loads a program issues before their arithmetic (the largest divisor
-    of n_sel up to it). Returns out.
+    of n_sel up to it). route (F32 / F16 / BF16, the one a gate/up launched with `late` chose ids and weights from;
+    experts_ahead > 1, at most ROUTE_MAX_E experts): the kernel ranks the experts itself from route.logits and loads
+    its first experts' weights before the PDL wait; ids is not read, weights is. Returns out.
     """
     _check(qtype)
     n, f, n_sel = w_down.shape[1], h.shape[1], h.shape[0]
     t = tile or tile_for("down", qtype, n, f, n_sel, w_down.device)
     eu = experts_group(n_sel, experts_ahead) if qtype in FLOATS else 1
+    rargs, rconst = down_route_args(route, ids, eu, "moe_down")
     wt = _typed(w_down, qtype)
     _moe_down_kernel[(triton.cdiv(n, t.block_m),)](
         wt, h, ids, weights, residual, out, n, wt.stride(0), wt.stride(1), h.stride(0),
         N_BLOCKS=f // GEOMETRY[qtype][0], N_SEL=n_sel, QTYPE=qtype, BM=t.block_m, NB=t.nb, EU=eu,
+        route_ptr=rargs[0], E=rargs[1], **rconst,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_down.device))
     return out
