@@ -51,8 +51,8 @@ from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 from moerun.kernels.triton.qmatvec import (
     ACTIVATIONS,
     EXPERTS_AHEAD,
-    chosen_experts,
     experts_group,
+    routing_after_wait,
     zero_after_barrier,
 )
 from moerun.kernels.triton.wmatvec import (
@@ -621,6 +621,7 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
     arithmetic, then the arithmetic in `_irows_dot`'s order (the same sums, in the same order). ROUTE: the ids ranked
     here from the router's logits and the first group's words loaded before the PDL wait (nothing in the step writes
     weights), ids_ptr never read; h and the routing weights after it."""
+    eids = ()
     if ROUTE:
         eids = ranked_experts(route_ptr, E, N_SEL, BLOCK_E, BLOCK_K)
         first = ()
@@ -628,14 +629,7 @@ def _idown_experts(QT: tl.constexpr, w_ptr, w16_ptr, w8_ptr, hh_ptr, hl_ptr, hs_
             start = eids[u] * stride_e + row0.to(tl.int64) * SW
             first = first + (_irows_words(QT, w_ptr + start, w16_ptr + 2 * start, w8_ptr + 4 * start, row0, N, SW,
                                           N_BLOCKS, R, NB, T),)
-        wait(PDL)
-        wts = ()
-        for i in tl.static_range(N_SEL):
-            wts = wts + (tl.load(wts_ptr + i),)
-        pin_ptr = wts_ptr  # weights >= 0: `zero_after_barrier`'s sign bit
-    else:
-        eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
-        pin_ptr = ids_ptr
+    eids, wts, pin_ptr = routing_after_wait(ids_ptr, wts_ptr, eids, ROUTE, N_SEL, PDL)
     for g in tl.static_range(0, N_SEL, EU):
         pends = ()
         for u in tl.static_range(EU):

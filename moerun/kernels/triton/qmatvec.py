@@ -250,6 +250,23 @@ def chosen_experts(ids_ptr, wts_ptr, N_SEL: tl.constexpr):
 
 
 @triton.jit
+def routing_after_wait(ids_ptr, wts_ptr, eids, ROUTE: tl.constexpr, N_SEL: tl.constexpr, PDL: tl.constexpr):
+    """A down kernel's experts-ahead prologue after its first loads: with ROUTE (eids ranked from the logits, the
+    first experts' weights loaded) the PDL wait, then the routing weights; else `chosen_experts`. -> (eids, wts,
+    the pointer whose first value >= 0 `zero_after_barrier` reads: wts or ids)."""
+    if ROUTE:
+        wait(PDL)
+        wts = ()
+        for i in tl.static_range(N_SEL):
+            wts = wts + (tl.load(wts_ptr + i),)
+        pin_ptr = wts_ptr
+    else:
+        eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
+        pin_ptr = ids_ptr
+    return eids, wts, pin_ptr
+
+
+@triton.jit
 def zero_after_barrier(p):
     """A CTA barrier, then 0 as int32 read from memory: the sign bit of a value >= 0 at p (the expert ids, or x24's
     first scale, its float bits). ORed into words loaded before the barrier (`_pin_float`, imatvec `_ipin`) it keeps
@@ -288,20 +305,14 @@ def _moe_down_kernel(
     acc = tl.zeros([BM], dtype=tl.float32)
     if EU > 1:
         STEPS: tl.constexpr = (N_BLOCKS + NB - 1) // NB  # the last may be partial (masked), as in row_dot
+        eids = ()
         if ROUTE:
             eids = ranked_experts(route_ptr, E, N_SEL, BLOCK_E, BLOCK_K)
             first = ()
             for u in tl.static_range(EU):
                 for j in tl.static_range(STEPS):
                     first = first + (float_w(w_ptr + eids[u] * stride_e + r64, rmask, j * NB, N_BLOCKS, NB),)
-            wait(PDL)
-            wts = ()
-            for i in tl.static_range(N_SEL):
-                wts = wts + (tl.load(wts_ptr + i),)
-            pin_ptr = wts_ptr  # weights >= 0: `zero_after_barrier`'s sign bit
-        else:
-            eids, wts = chosen_experts(ids_ptr, wts_ptr, N_SEL)
-            pin_ptr = ids_ptr
+        eids, wts, pin_ptr = routing_after_wait(ids_ptr, wts_ptr, eids, ROUTE, N_SEL, PDL)
         for g in tl.static_range(0, N_SEL, EU):
             pend = ()
             for u in tl.static_range(EU):
