@@ -22,12 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "bdroute": "the byte-decoding down (F16 / BF16 / F32 files) ranks the chosen experts itself from the router's "
-               "logits and loads its first experts' weights before the PDL wait (qmatvec.moe_down route; its gate/up "
-               "launches it after its own wait), as the integer down does by default",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"bdroute": {"byte_down_route": True}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -60,7 +60,7 @@ class TritonOps:
     def __init__(self, words: bool = True, pad: bool = True, ints: bool = True,
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
-                 pdl: bool = True, down_route: bool = True, byte_down_route: bool = False,
+                 pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
                  attn_maxnreg: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints

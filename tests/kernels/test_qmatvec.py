@@ -166,9 +166,9 @@ def test_moe_down(qtype, device, rng) -> None:
 
 @pytest.mark.parametrize("qtype,f,ahead", [(T.F16, 512, 2), (T.BF16, 768, 2), (T.F32, 512, 4)], ids=str)
 def test_moe_down_route(qtype, f, ahead, device, rng) -> None:
-    """route (`bdroute`): the byte down ranks the experts itself from the router's logits (top-4 of 6, a tie at the
-    lowest rank broken to the lower index, as the gate/up's `topk_logits`) and never reads ids (poisoned out of
-    range); within the float64 bound and, in the interpreter, the ids-given result bit for bit. Refused with
+    """route (the default after a routed byte gate/up): the byte down ranks the experts itself from the router's
+    logits (top-4 of 6, a tie at the lowest rank broken to the lower index, as the gate/up's `topk_logits`) and never
+    reads ids (poisoned out of range); within the float64 bound and, in the interpreter, the ids-given result bit for bit. Refused with
     experts_ahead 1, a quantized type (one expert at a time) or too many experts."""
     gen, seed = rng
     e, n = 6, 37
