@@ -124,8 +124,9 @@ def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
 def test_routed_down_pair(gate_up: str, down: str, min_loads: int) -> None:
     """A routed down after its gate/up (the integer kernels and F16's byte kernels, both the default), sm_90 PTX with
     PDL: the gate/up before a routed down lets it launch only after its own wait (so the router's logits are final
-    when the down starts) and touches nothing before that wait; the down triggers at once, reads the logits past L1 (`ld.global.cg`) and its first
-    experts' weights before its wait (integer: 2 experts x 4 blocks x 2 rows at least), and stores after it."""
+    when the down starts) and touches nothing before that wait; the down triggers at once, reads the logits past L1
+    (`ld.global.cg`) and its first experts' weights before its wait (integer: 2 experts x 4 blocks x 2 rows at
+    least), and stores after it."""
     ptx = _ptx(gate_up, True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first = re.search(r"\b(ld|st)\.global", ptx)

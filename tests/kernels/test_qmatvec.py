@@ -168,8 +168,8 @@ def test_moe_down(qtype, device, rng) -> None:
 def test_moe_down_route(qtype, f, ahead, device, rng) -> None:
     """route (the default after a routed byte gate/up): the byte down ranks the experts itself from the router's
     logits (top-4 of 6, a tie at the lowest rank broken to the lower index, as the gate/up's `topk_logits`) and never
-    reads ids (poisoned out of range); within the float64 bound and, in the interpreter, the ids-given result bit for bit. Refused with
-    experts_ahead 1, a quantized type (one expert at a time) or too many experts."""
+    reads ids (poisoned out of range); within the float64 bound and, in the interpreter, the ids-given result bit
+    for bit. Refused with experts_ahead 1, a quantized type (one expert at a time) or too many experts."""
     gen, seed = rng
     e, n = 6, 37
     ids = torch.tensor([1, 3, 0, 5], dtype=torch.int32)
