@@ -193,7 +193,7 @@ class TritonOps:
             route = None
         if not byte:
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
-        late = route is not None and self.byte_down_route
+        late = route is not None and self.byte_down_route and qtype_gate in qk.FLOATS  # a float down follows
         self._late_route = route if late else None
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
                               route=route, late=late)

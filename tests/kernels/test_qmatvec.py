@@ -233,3 +233,32 @@ def test_deterministic(device, rng) -> None:
 def test_unsupported(device) -> None:
     with pytest.raises(NotImplementedError, match="GGML type 10"):
         qmatvec(torch.zeros(1, 84, dtype=torch.uint8), 10, torch.zeros(256), torch.zeros(1))
+
+
+def test_triton_ops_routes_the_byte_down_after_its_gate_up(device, rng) -> None:
+    """TritonOps pairs a byte down with the routed F16 gate/up launched just before it (`late`): that down ranks the
+    experts itself (the ids the gate/up wrote give the same sums); a down with no such gate/up before it reads ids,
+    even when given the route (ids set to other experts than the logits rank first change the result)."""
+    from moerun.kernels.ops import make_ops
+
+    gen, seed = rng
+    e, f, k, n, n_sel = 6, 64, 256, 37, 2
+    ops = make_ops("triton")
+    wg, _ = _weights(T.F16, (e, f), k, gen, device)
+    wu, _ = _weights(T.F16, (e, f), k, gen, device)
+    wd, _ = _weights(T.F16, (e, n), f, gen, device)
+    x = _vec(gen, k).to(device)
+    r = _vec(gen, n).to(device)
+    route = Route(torch.tensor([0.5, 2.0, -1.0, 1.5, 0.25, 0.0], device=device),
+                  torch.full((n_sel,), float("nan"), device=device), False)  # ranks experts 1, 3
+    ids = torch.full((n_sel,), -1, dtype=torch.int32, device=device)
+    h = torch.full((n_sel, f), float("nan"), device=device)
+    ops.moe_gate_up(wg, wu, int(T.F16), int(T.F16), x, ids, h, route=route)
+    assert ids.tolist() == [1, 3]
+    got = ops.moe_down(wd, int(T.F16), h, ids, route.weights_out, r, torch.full_like(r, float("nan")), route=route)
+    want = moe_down(wd, int(T.F16), h, ids, route.weights_out, r, torch.empty_like(r))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"seed {seed}")
+    other = torch.tensor([4, 0], dtype=torch.int32, device=device)
+    got = ops.moe_down(wd, int(T.F16), h, other, route.weights_out, r, torch.full_like(r, float("nan")), route=route)
+    want = moe_down(wd, int(T.F16), h, other, route.weights_out, r, torch.empty_like(r))
+    assert torch.equal(got, want), f"a down with no late gate/up before it ranked the experts itself (seed {seed})"
