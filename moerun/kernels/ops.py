@@ -22,8 +22,11 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "attnlate": "the split attention's first K / V tile loaded after its RoPE / QK-norm prologue (128 registers, "
+                "no spills, instead of 160 with it) and a split policy for 4 programs per SM (3 by default)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnlate": {"attn_tile": (64, 4, 4), "attn_early": False}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

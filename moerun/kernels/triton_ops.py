@@ -49,7 +49,8 @@ class TritonOps:
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
-    attn_maxnreg: its cap on registers per thread (None: ptxas chooses; 158 at OLMoE's shape, 3 programs per SM).
+    attn_maxnreg: its cap on registers per thread (None: ptxas chooses; 158 at OLMoE's shape, 3 programs per SM);
+    attn_early: its first K / V tile loaded with the RoPE prologue's loads (False: after the prologue, 128 registers).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -62,7 +63,7 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
-                 attn_maxnreg: int | None = None) -> None:
+                 attn_maxnreg: int | None = None, attn_early: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -72,7 +73,7 @@ class TritonOps:
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_block_n, self.attn_warps, self.attn_pps = attn_tile
-        self.attn_maxnreg = attn_maxnreg
+        self.attn_maxnreg, self.attn_early = attn_maxnreg, attn_early
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -296,7 +297,8 @@ class TritonOps:
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
                             out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
-                            block_n=self.attn_block_n, num_warps=self.attn_warps, maxnreg=self.attn_maxnreg)
+                            block_n=self.attn_block_n, num_warps=self.attn_warps, maxnreg=self.attn_maxnreg,
+                            early=self.attn_early)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -311,7 +313,7 @@ class TritonOps:
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
                             out_x24=out_x24, counters=self._attn_counters(out), block_n=self.attn_block_n,
-                            num_warps=self.attn_warps, maxnreg=self.attn_maxnreg)
+                            num_warps=self.attn_warps, maxnreg=self.attn_maxnreg, early=self.attn_early)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -332,7 +332,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
+                       PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -352,7 +353,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     The chunk's first K / V tile is loaded with the prologue's loads, one dependent round trip after the length
     instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at len-1 in
     that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
-    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a).
+    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a). EARLY False (with ROPE):
+    the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
+    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic.
     """
     begin(PDL)
     sp = tl.program_id(1)
@@ -369,7 +372,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     dv = tl.arange(0, BLOCK_DV)
     k_base = k_ptr + kvh * k_sh
     v_base = v_ptr + kvh * v_sh
-    kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
+    if EARLY or not ROPE:
+        kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
     if ROPE:
         pos = kv_len - 1
         pos64 = pos.to(tl.int64)
@@ -395,6 +399,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
             if pos >= lo + BLOCK_N:  # the loop below reads the row back (the first tile takes it from registers)
                 tl.debug_barrier()
         q = q * qk_scale
+        if not EARLY:
+            tl.debug_barrier()  # the prologue's values dead before the tile's loads are issued
+            kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
     else:
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     m_i = -float("inf")
@@ -514,7 +521,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     maxnreg: int | None = None, early: bool = True) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -530,6 +537,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     maxnreg: a cap on the split kernel's registers per thread (ptxas spills above it), so more programs fit an SM.
+    early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
+    (`_attn_split_kernel` EARLY).
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -564,8 +573,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-            **launch_args(q.device))
+            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
