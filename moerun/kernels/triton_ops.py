@@ -49,8 +49,8 @@ class TritonOps:
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
-    attn_maxnreg: its cap on registers per thread (None: ptxas chooses; 158 at OLMoE's shape, 3 programs per SM);
-    attn_early: its first K / V tile loaded with the RoPE prologue's loads (False: after the prologue, 128 registers).
+    attn_early: its first K / V tile loaded with the RoPE prologue's loads (160 registers per thread at OLMoE's shape,
+    3 programs per SM; False: after the prologue, 128).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -63,7 +63,7 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
-                 attn_maxnreg: int | None = None, attn_early: bool = True) -> None:
+                 attn_early: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -73,7 +73,7 @@ class TritonOps:
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_block_n, self.attn_warps, self.attn_pps = attn_tile
-        self.attn_maxnreg, self.attn_early = attn_maxnreg, attn_early
+        self.attn_early = attn_early
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -188,11 +188,9 @@ class TritonOps:
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
             return wk.KERNELS["gate_up"][qtype_gate](w_gate, w_up, x_perm, ids, out, act, perm_out=perm_out,
                                                      route=route)
-        byte = qtype_gate in qk.SUPPORTED and qtype_up in qk.SUPPORTED
-        if route is not None and not byte:  # the torch fallback
-            self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
-            route = None
-        if not byte:
+        if qtype_gate not in qk.SUPPORTED or qtype_up not in qk.SUPPORTED:  # the torch fallback
+            if route is not None:
+                self.route_topk(route.logits, ids.shape[0], route.renormalise, route.weights_out, ids)
             return TorchOps.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act, perm_out=perm_out)
         late = route is not None and self.byte_down_route and qtype_gate in qk.FLOATS  # a float down follows
         self._late_route = route if late else None
@@ -297,8 +295,7 @@ class TritonOps:
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
                             out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
-                            block_n=self.attn_block_n, num_warps=self.attn_warps, maxnreg=self.attn_maxnreg,
-                            early=self.attn_early)
+                            block_n=self.attn_block_n, num_warps=self.attn_warps, early=self.attn_early)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -313,7 +310,7 @@ class TritonOps:
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
                             out_x24=out_x24, counters=self._attn_counters(out), block_n=self.attn_block_n,
-                            num_warps=self.attn_warps, maxnreg=self.attn_maxnreg, early=self.attn_early)
+                            num_warps=self.attn_warps, early=self.attn_early)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

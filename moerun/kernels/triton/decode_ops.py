@@ -521,7 +521,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     maxnreg: int | None = None, early: bool = True) -> torch.Tensor:
+                     early: bool = True) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -536,7 +536,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
-    maxnreg: a cap on the split kernel's registers per thread (ptxas spills above it), so more programs fit an SM.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
     (`_attn_split_kernel` EARLY).
     """
@@ -573,8 +572,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps,
-            **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_args(q.device))
+            **rconst, FUSED=fused, **oconst, EARLY=early, num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
