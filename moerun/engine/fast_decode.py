@@ -3,7 +3,8 @@
 Everything stays on the device within a step: the token and position are read from device buffers,
 the router's top-k runs on the GPU and the expert kernels read the chosen ids from device memory;
 the host only reads the chosen next token. The same step runs eagerly (any device, `TorchOps` or
-Triton ops) or captured once and replayed (`use_graph`, CUDA only).
+Triton ops) or captured once and replayed (`use_graph`, CUDA only). Ops whose attention has a long-context variant
+(`attention_phases`) get one graph per phase, each replayed for the positions of its phase.
 
 A dense MLP is run as a one-expert MoE (ids = [0], weight 1), so every model uses the same two
 fused FFN kernels.
@@ -11,6 +12,7 @@ fused FFN kernels.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +106,8 @@ class FastDecoder:
         self._weights(weights)
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None  # one per attention phase (`_phase_starts`)
+        self._phases: tuple[Any, tuple[int, ...]] | None = None  # (the ops they were asked of, their starts)
         self._chained: tuple[int, int] | None = None  # (token, pos) the device inputs already hold
         self.use_graph = use_graph and dev.type == "cuda"
         # `stream`: two host slots for chosen tokens (pinned on CUDA, so the copies are asynchronous) and the
@@ -233,8 +236,22 @@ class FastDecoder:
             ops.moe_down(d.raw, d.qtype, self.h, self.ids, self.route_w, self.x, self.x, h_perm=h_perm, h_x24=h24,
                          route=route)
 
-    def _step(self) -> None:
-        """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1."""
+    def _phase_starts(self) -> tuple[int, ...]:
+        """The KV lengths from which each of the ops' attention phases runs (`ops.attention_phases`), ascending
+        from 1; asked again whenever the ops object changes."""
+        if self._phases is None or self._phases[0] is not self.ops:
+            cfg = self.cfg
+            self._phases = (self.ops, self.ops.attention_phases(self.cache.n_ctx, cfg.n_head, self.device))
+        return self._phases[1]
+
+    def _phase(self, pos: int) -> int:
+        """The attention phase of the step at `pos` (KV length pos + 1)."""
+        return bisect_right(self._phase_starts(), pos + 1) - 1
+
+    def _step(self, phase: int = 0) -> None:
+        """One token: tok at pos -> logits, next_id; writes the KV cache at pos; then tok = next_id, pos + 1.
+        phase: the attention phase (`_phase`) of pos."""
+        self.ops.attn_phase = phase
         with self.ops.step_context():  # TritonOps: programmatic dependent launch where its `pdl` says so
             self._step_launches()
 
@@ -257,17 +274,22 @@ class FastDecoder:
             self.ops.advance(self.next_id, *chain)
 
     def _capture(self, token: int, pos: int) -> None:
+        """A graph per attention phase, each warmed up and captured at (token, pos): every phase's kernels give the
+        same sums at any length, so the warm-up steps all write pos's cache row alike."""
         state = self.sampler.save_state() if self.sampler is not None else None
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm up (Triton compiles, allocator settles), both at (token, pos)
-                self._inputs(token, pos)
-                self._step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
+        self.graphs = []
+        for phase in range(len(self._phase_starts())):
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm up (Triton compiles, allocator settles), both at (token, pos)
+                    self._inputs(token, pos)
+                    self._step(phase)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()  # its own memory pool: the phases replay in any order
+            with torch.cuda.graph(graph):
+                self._step(phase)
+            self.graphs.append(graph)
         if state is not None:  # the warm-up steps sampled: undo their counter and history updates
             self.sampler.load_state(state)
         self._graph_key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
@@ -278,21 +300,22 @@ class FastDecoder:
         leave them there: a chain of decode steps launches nothing but the graph."""
         if self.use_graph:
             key = None if self.sampler is None else (id(self.sampler), self.sampler.graph_key())
-            if self.graph is None or key != self._graph_key:
+            if self.graphs is None or key != self._graph_key:
                 self._capture(token, pos)  # its warm-up steps run this very step (and move the inputs on)
                 self._chained = None
         if self._chained != (token, pos):
             self._inputs(token, pos)
         self._chained = None
-        self._launch()
+        self._launch(pos)
         return self.next_id
 
-    def _launch(self) -> None:
-        """Queue one step on the inputs the device holds."""
+    def _launch(self, pos: int) -> None:
+        """Queue one step on the inputs the device holds (for position `pos`: which phase's graph)."""
+        phase = self._phase(pos)
         if self.use_graph:
-            self.graph.replay()
+            self.graphs[phase].replay()
         else:
-            self._step()
+            self._step(phase)
 
     def decode(self, token: int, pos: int) -> int:
         """One step for `token` at `pos` -> the chosen next token (the host waits for it)."""
@@ -320,7 +343,7 @@ class FastDecoder:
             queued = 1
             while done < n:
                 if queued < n:
-                    self._launch()
+                    self._launch(pos + queued)
                     self._copy_token(queued % 2)
                     queued += 1
                 last = self._read_token(done % 2)

@@ -76,11 +76,18 @@ class TorchOps:
     """
 
     name = "torch"
+    attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
 
     @staticmethod
     def step_context() -> AbstractContextManager[None]:
         """Entered around each decode step's launches (TritonOps: programmatic dependent launch, `pdl`)."""
         return nullcontext()
+
+    @staticmethod
+    def attention_phases(n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
+        """The KV lengths from which each attention variant runs, ascending from 1 (TritonOps: a long-context
+        variant past some length); the fast step sets `attn_phase` per step and captures a graph per phase."""
+        return (1,)
 
     @staticmethod
     def perm(qtype: int, k: int, kind: str | None = None) -> bool:

@@ -51,6 +51,9 @@ class TritonOps:
     attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
     attn_early: its first K / V tile loaded with the RoPE prologue's loads (160 registers per thread at OLMoE's shape,
     3 programs per SM; False: after the prologue, 128).
+    attn_long: (attn_tile..., attn_early) of the variant for long contexts (`decode_ops.ATTN_LONG`), run from the KV
+    length `decode_ops.attention_long_from` gives (`attention_phases`: phase 1; the fast step captures a graph per
+    phase); None: attn_tile / attn_early at every length. attn_long_from: that KV length instead (tests; tuning).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -63,7 +66,8 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
-                 attn_early: bool = True) -> None:
+                 attn_early: bool = True, attn_long: tuple[int, int, int, bool] | None = None,
+                 attn_long_from: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -72,8 +76,9 @@ class TritonOps:
         self.pdl = pdl
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
-        self.attn_block_n, self.attn_warps, self.attn_pps = attn_tile
-        self.attn_early = attn_early
+        self._attn_variants = ((*attn_tile, attn_early), attn_long)  # (block_n, warps, pps, early) per phase
+        self.attn_long_from = attn_long_from
+        self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
         self._attn_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -268,13 +273,31 @@ class TritonOps:
                                                     device=k_cache.device)
         return table
 
-    def _attention_scratch(self, k_cache: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def attention_phases(self, n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
+        """(1,), or (1, L) where `attn_long` runs from KV length L (`decode_ops.attention_long_from`)."""
+        short, long = self._attn_variants
+        if long is None:
+            return (1,)
+        start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), short, long)
+        return (1,) if start is None else (1, max(start, 2))
+
+    def _attn_variant(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> tuple[int, int, int, bool]:
+        """(block_n, warps, pps, early) of this step's attention launch: the long variant in phase 1, except for a
+        sliding window too short to reach the length it starts from."""
+        short, long = self._attn_variants
+        if self.attn_phase == 0 or long is None:
+            return short
+        start = self.attention_phases(k_cache.shape[0], out.shape[0], out.device)[-1]
+        return long if window <= 0 or window >= start else short
+
+    def _attention_scratch(self, k_cache: torch.Tensor, out: torch.Tensor, block_n: int,
+                           pps: int) -> tuple[torch.Tensor, ...]:
         H, Dv = out.shape
-        key = (k_cache.shape[0], H, Dv, out.device)
+        key = (k_cache.shape[0], H, Dv, out.device, block_n, pps)
         scratch = self._attn_scratch.get(key)
         if scratch is None:
-            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device), self.attn_block_n,
-                                         self.attn_pps)  # one wave of split programs
+            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device), block_n,
+                                         pps)  # one wave of split programs
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
         return scratch
 
@@ -293,9 +316,10 @@ class TritonOps:
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
-        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, self._attention_scratch(k_cache, out),
-                            out_perm=out_perm, out_x24=out_x24, counters=self._attn_counters(out),
-                            block_n=self.attn_block_n, num_warps=self.attn_warps, early=self.attn_early)
+        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
+        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out,
+                            self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, out_x24=out_x24,
+                            counters=self._attn_counters(out), block_n=block_n, num_warps=warps, early=early)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -307,10 +331,11 @@ class TritonOps:
         q themselves and store this step's k and v (q_rot is not written; pos_t is kv_len_t - 1)."""
         table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
+        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
-                            self._attention_scratch(k_cache, out), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out), block_n=self.attn_block_n,
-                            num_warps=self.attn_warps, early=self.attn_early)
+                            self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, rope=rope,
+                            out_x24=out_x24, counters=self._attn_counters(out), block_n=block_n,
+                            num_warps=warps, early=early)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -199,8 +199,64 @@ def test_make_ops_names() -> None:
 
     assert t.pdl and make_ops("triton-bytes").pdl and not make_ops("triton-nopdl").pdl
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
-    assert t._attention_scratch(k, o)[0].shape[1] == dk.attention_splits(4096, 16, sm_count(o.device),
-                                                                         programs_per_sm=3)
+    block_n, _, pps, _ = t._attn_variant(k, o, 0)
+    assert t._attention_scratch(k, o, block_n, pps)[0].shape[1] == dk.attention_splits(
+        4096, 16, sm_count(o.device), programs_per_sm=3)
+
+
+def test_attention_phases() -> None:
+    """Where the long-context attention variant starts: once the default's splits (3 programs per SM) are all live
+    and the long one's (4 per SM) are more; never in a context too short for that, nor for a sliding window too
+    short to reach it."""
+    from moerun.kernels.ops import make_ops
+    from moerun.kernels.triton import decode_ops as dk
+
+    short = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True)
+    # OLMoE (16 heads) on 132 SMs: 25 splits of 128 positions cover 3,200; 33 with the long variant
+    assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 3201
+    assert dk.attention_long_from(3200, 16, 132, short, dk.ATTN_LONG) is None  # never reached
+    assert dk.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
+    assert dk.attention_long_from(1 << 20, 4, 132, short, dk.ATTN_LONG) == 99 * 128 + 1
+    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
+    t = make_ops("triton+attnlong")  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
+    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 769)
+    assert t.attention_phases(512, 2, torch.device("cpu")) == (1,)
+    k, o = torch.empty(1024, 1, 64), torch.empty(2, 64)
+    assert t._attn_variant(k, o, 0) == short
+    t.attn_phase = 1
+    assert [t._attn_variant(k, o, w) for w in (0, 768, 769)] == [dk.ATTN_LONG, short, dk.ATTN_LONG]
+    t.attn_long_from = 5
+    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 5)
+
+
+class PhasedTorchOps(TorchOps):
+    """The torch twins with a second attention phase from KV length 4, recording the phase of each attention."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @staticmethod
+    def attention_phases(n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
+        return (1, 4)
+
+    def rope_attention(self, *args, **kw) -> None:
+        self.seen.append(self.attn_phase)
+        super().rope_attention(*args, **kw)
+
+
+def test_steps_in_attention_phases(model_file) -> None:
+    """The fast step tells the ops each step's attention phase from its position, in `decode` and in `stream`."""
+    path, tokens = model_file
+    eng = Engine(path, fast=True, ops="torch", graph=False, device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    n_layer = eng.cfg.n_layer
+    for run in ("decode", "stream"):
+        ops = eng.fast.ops = PhasedTorchOps()
+        if run == "decode":
+            for pos, tok in enumerate(tokens[:6]):
+                eng.fast.decode(tok, pos)
+        else:
+            list(eng.fast.stream(tokens[0], 0, 6))
+        assert ops.seen == [p for p in (0, 0, 0, 1, 1, 1) for _ in range(n_layer)], run
 
 
 def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,10 +337,13 @@ def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     tokens = [5, 17, 3, 250, 9, 41, 77, 1]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=True, **kw)
+    if getattr(eng.fast.ops, "attn_long_from", None) is None and "attnlong" in ops:
+        eng.fast.ops.attn_long_from = 5  # the long-context attention's graph replayed from step 4 on
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
         assert err < 1e-4, f"{ops} {ftype} step {i}: relative logit error {err:.2e}"
+    assert len(eng.fast.graphs) == 1 + ("attnlong" in ops)
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")

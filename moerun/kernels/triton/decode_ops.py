@@ -264,6 +264,22 @@ NO_WINDOW = 1 << 30
 ATTN_PROGRAMS_PER_SM = 3
 
 
+# the long-context variant (block_n, warps, programs per SM, early): the first tile after the RoPE prologue (128
+# registers at OLMoE's shape, no spills) so 4 programs fit an SM; at depth 0 its extra round trip costs 3% (NOTES 8n)
+ATTN_LONG = (ATTN_BLOCK_N, 4, 4, False)
+
+
+def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: tuple[int, int, int, bool],
+                        long: tuple[int, int, int, bool], min_split: int = ATTN_MIN_SPLIT) -> int | None:
+    """The KV length from which the `long` variant (block_n, warps, programs per SM, early) runs instead of
+    `short`: the first at which `short`'s split policy has every split live (`_live_splits`) while `long`'s has
+    more; None where it never does (a context `short`'s splits already cut into min_split-position pieces)."""
+    s_short = attention_splits(n_ctx, n_head, sm_count, short[0], short[2])
+    s_long = attention_splits(n_ctx, n_head, sm_count, long[0], long[2])
+    start = max(min_split, short[0]) * s_short + 1
+    return start if s_long > s_short and start <= n_ctx else None
+
+
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
                      programs_per_sm: int = ATTN_PROGRAMS_PER_SM) -> int:
     """Split policy: KV splits per head, fixed for a context size (so a captured graph's grid never changes).
