@@ -22,14 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "attnlate": "the split attention's first K / V tile loaded after its RoPE / QK-norm prologue (128 registers, "
-                "no spills, instead of 160 with it) and a split policy for 4 programs per SM (3 by default)",
-    "attnlong": "attnlate's attention only once the KV length passes what the default's splits cover (a CUDA graph "
-                "per phase)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnlate": {"attn_tile": (64, 4, 4), "attn_early": False},
-                                           "attnlong": {"attn_long": (64, 4, 4, False)}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

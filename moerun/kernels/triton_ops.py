@@ -51,9 +51,11 @@ class TritonOps:
     attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
     attn_early: its first K / V tile loaded with the RoPE prologue's loads (160 registers per thread at OLMoE's shape,
     3 programs per SM; False: after the prologue, 128).
-    attn_long: (attn_tile..., attn_early) of the variant for long contexts (`decode_ops.ATTN_LONG`), run from the KV
-    length `decode_ops.attention_long_from` gives (`attention_phases`: phase 1; the fast step captures a graph per
-    phase); None: attn_tile / attn_early at every length. attn_long_from: that KV length instead (tests; tuning).
+    attn_long: (attn_tile..., attn_early) of the variant for long contexts (default `decode_ops.ATTN_LONG`: the
+    first tile after the prologue, 128 registers, 4 programs per SM), run from the KV length
+    `decode_ops.attention_long_from` gives (`attention_phases`: phase 1; the fast step captures a graph per phase;
+    H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n); None: attn_tile / attn_early at every length.
+    attn_long_from: the KV length phase 1 starts from instead (tests; tuning).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -66,7 +68,7 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
-                 attn_early: bool = True, attn_long: tuple[int, int, int, bool] | None = None,
+                 attn_early: bool = True, attn_long: tuple[int, int, int, bool] | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds

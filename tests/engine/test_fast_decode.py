@@ -182,7 +182,7 @@ def test_make_ops_names() -> None:
     with pytest.raises(MoerunError, match=r"unknown decode ops feature 'fast' in 'triton\+fast'; features: "):
         make_ops("triton+fast")
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
-                 "wpre", "attnpipe", "kpipe", "dpipe"):
+                 "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -210,6 +210,7 @@ def test_attention_phases() -> None:
     short to reach it."""
     from moerun.kernels.ops import make_ops
     from moerun.kernels.triton import decode_ops as dk
+    from moerun.kernels.triton_ops import TritonOps
 
     short = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 128 positions cover 3,200; 33 with the long variant
@@ -217,8 +218,10 @@ def test_attention_phases() -> None:
     assert dk.attention_long_from(3200, 16, 132, short, dk.ATTN_LONG) is None  # never reached
     assert dk.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
     assert dk.attention_long_from(1 << 20, 4, 132, short, dk.ATTN_LONG) == 99 * 128 + 1
-    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
-    t = make_ops("triton+attnlong")  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
+    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)  # NOTES.md 8n
+    t = TritonOps(attn_long=None)
+    assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
+    t = make_ops("triton")  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
     assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 769)
     assert t.attention_phases(512, 2, torch.device("cpu")) == (1,)
     k, o = torch.empty(1024, 1, 64), torch.empty(2, 64)
@@ -306,8 +309,8 @@ def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) ->
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
     quantized by its producers, the attention's reduce in its split launch, a layer's Q4_K q/k and Q6_K v in one
-    launch) end to end; the F16 file's byte-decoding kernels (top-k in their gate/up launch too) in ~10 s, and on it
-    the features not yet measured, all at once."""
+    launch) end to end, the second step in the long-context attention phase; the F16 file's byte-decoding kernels
+    (top-k in their gate/up launch too) in ~10 s, and on it the features not yet measured, all at once."""
     from moerun.synth import synthesize
 
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
@@ -316,6 +319,7 @@ def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) ->
     tokens = [5, 17]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
+    eng.fast.ops.attn_long_from = 2  # step 1 in the long-context attention phase (NOTES.md 8n)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
@@ -328,7 +332,8 @@ def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) ->
 def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     """The default ops, each ops feature not yet measured and all together, in graph-replayed steps of synth's tiny
     OLMoE (whose products all take the integer kernels for Q4_K_M and Q8_0, the byte kernels for F16: every down
-    kernel with its experts ahead) against the reference."""
+    kernel with its experts ahead) against the reference; the last four steps replay the long-context attention
+    phase's graph."""
     from moerun.synth import synthesize
 
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
@@ -337,13 +342,12 @@ def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     tokens = [5, 17, 3, 250, 9, 41, 77, 1]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=True, **kw)
-    if getattr(eng.fast.ops, "attn_long_from", None) is None and "attnlong" in ops:
-        eng.fast.ops.attn_long_from = 5  # the long-context attention's graph replayed from step 4 on
+    eng.fast.ops.attn_long_from = 5  # the long-context attention's graph (NOTES.md 8n) replayed from step 4 on
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
         assert err < 1e-4, f"{ops} {ftype} step {i}: relative logit error {err:.2e}"
-    assert len(eng.fast.graphs) == 1 + ("attnlong" in ops)
+    assert len(eng.fast.graphs) == 2
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")

@@ -202,7 +202,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     against qk_norm_rope_store then attention_decode: the same cache rows bit for bit, the same output and quantized
     output (f16 / bf16 / f32 caches, GQA, a window, one and several live splits (min_split 16), tiles of 16
     positions, the fused reduce and the reduce launch); also with the first tile loaded after the prologue and its
-    barrier instead (`early` False, `attnlate`)."""
+    barrier instead (`early` False, `decode_ops.ATTN_LONG`)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
