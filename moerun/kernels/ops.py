@@ -22,8 +22,13 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "attnpre": "the split attention reads the KV length and loads its first K / V tile before the PDL wait (while "
+               "the q/k/v product runs; the step's first kernel waits for the step before)",
+    "attnl2": "the split attention prefetches its next two K / V tiles into L2 before its prologue (with attnpre: "
+              "before the PDL wait)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnpre": {"attn_pre": True}, "attnl2": {"attn_l2": 2}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.triton.pdl import begin, launch_args
+from moerun.kernels.triton.pdl import launch_args, trigger, wait
 from moerun.kernels.triton.qgemm import BK, deq_tile
 from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, _typed
 
@@ -19,8 +19,14 @@ from moerun.kernels.triton.qmatvec import GEOMETRY, SUPPORTED, _typed
 @triton.jit
 def _embed_kernel(w_ptr, ids_ptr, out_ptr, scale, K, stride_w, stride_out, QTYPE: tl.constexpr, BKC: tl.constexpr,
                   PDL: tl.constexpr = False):
-    """Grid (cdiv(K, BKC), n). w: [V, row] bytes (typed for F32/F16/BF16), ids: [n] int, out: [n, K] f32."""
-    begin(PDL)
+    """Grid (cdiv(K, BKC), n). w: [V, row] bytes (typed for F32/F16/BF16), ids: [n] int, out: [n, K] f32.
+
+    With PDL it waits before it lets the next kernel launch (the decode step's first kernel: a boundary), so no kernel
+    of a step starts before the step before has finished: a kernel may read before its own wait what only earlier
+    steps write (the attention: the KV length and the cache's earlier rows, `_attn_split_kernel` PRE). In a CUDA
+    graph the step's first kernel has nothing to wait for, so this costs nothing there."""
+    wait(PDL)
+    trigger(PDL)
     kb = tl.program_id(0) * BKC
     i = tl.program_id(1)
     row = tl.load(ids_ptr + i).to(tl.int64)
