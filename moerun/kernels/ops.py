@@ -23,12 +23,11 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {
-    "attnpre": "the split attention reads the KV length and loads its first K / V tile before the PDL wait (while "
-               "the q/k/v product runs; the step's first kernel waits for the step before)",
-    "attnl2": "the split attention prefetches its next two K / V tiles into L2 before its prologue (with attnpre: "
-              "before the PDL wait)",
+    "attnpre": "the split attention reads the KV length and, with several live splits per head, loads its first "
+               "K / V tile before the PDL wait (while the q/k/v product runs; the step's first kernel waits for "
+               "the step before)",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnpre": {"attn_pre": True}, "attnl2": {"attn_l2": 2}}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnpre": {"attn_pre": True}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

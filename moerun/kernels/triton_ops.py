@@ -56,8 +56,8 @@ class TritonOps:
     `decode_ops.attention_long_from` gives (`attention_phases`: phase 1; the fast step captures a graph per phase;
     H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n); None: attn_tile / attn_early at every length.
     attn_long_from: the KV length phase 1 starts from instead (tests; tuning).
-    attn_pre: the split attention reads the KV length and loads its first tile (where early) before the PDL wait
-    (`decode_ops._attn_split_kernel` PRE); attn_l2: it prefetches that many more K / V tiles into L2 there.
+    attn_pre: the split attention reads the KV length and, with several live splits, loads its first tile (where
+    early) before the PDL wait (`decode_ops._attn_split_kernel` PRE).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -71,7 +71,7 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
                  attn_early: bool = True, attn_long: tuple[int, int, int, bool] | None = dk.ATTN_LONG,
-                 attn_long_from: int | None = None, attn_pre: bool = False, attn_l2: int = 0) -> None:
+                 attn_long_from: int | None = None, attn_pre: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -82,7 +82,7 @@ class TritonOps:
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self._attn_variants = ((*attn_tile, attn_early), attn_long)  # (block_n, warps, pps, early) per phase
         self.attn_long_from = attn_long_from
-        self.attn_pre, self.attn_l2 = attn_pre, attn_l2
+        self.attn_pre = attn_pre
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -325,7 +325,7 @@ class TritonOps:
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out,
                             self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, out_x24=out_x24,
                             counters=self._attn_counters(out), block_n=block_n, num_warps=warps, early=early,
-                            pre=self.attn_pre, l2_tiles=self.attn_l2)
+                            pre=self.attn_pre)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -341,7 +341,7 @@ class TritonOps:
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, rope=rope,
                             out_x24=out_x24, counters=self._attn_counters(out), block_n=block_n,
-                            num_warps=warps, early=early, pre=self.attn_pre, l2_tiles=self.attn_l2)
+                            num_warps=warps, early=early, pre=self.attn_pre)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -325,21 +325,6 @@ def _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D: tl.constexpr, DV: tl.
 
 
 @triton.jit
-def _l2_prefetch(base, sn, n0, hi, D: tl.constexpr, LINE: tl.constexpr, NL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TILES: tl.constexpr):
-    """Hint, no result: rows n0 .. n0 + TILES * BLOCK_N - 1 below hi of one head's D values (row stride sn) into L2,
-    one PTX prefetch.global.L2 per 128-byte line (LINE values; NL >= D / LINE, a power of two); holds no registers
-    past the instruction. CUDA only (the interpreter runs no PTX)."""
-    c = tl.minimum(tl.arange(0, NL) * LINE, D - 1)
-    for t in tl.static_range(TILES):
-        t0 = n0 + t * BLOCK_N
-        if t0 < hi:
-            rows = tl.minimum(t0 + tl.arange(0, BLOCK_N), hi - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                      [base + rows[:, None] * sn + c[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _attn_tile(q, k, v, nmask, m_i, l_i, acc):
     """One tile of the online softmax: q [BLOCK_D] f32 (log2-scaled), k [BLOCK_N, BLOCK_D] / v [BLOCK_N, BLOCK_DV] f32,
     nmask [BLOCK_N] the live rows; the running max m_i, sum l_i and acc [BLOCK_DV] -> updated."""
@@ -364,9 +349,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
                        X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
-                       PRE: tl.constexpr = False, L2_TILES: tl.constexpr = 0, KLINE: tl.constexpr = 64,
-                       VLINE: tl.constexpr = 64, KNL: tl.constexpr = 2, VNL: tl.constexpr = 2,
-                       PDL: tl.constexpr = False):
+                       PRE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -390,11 +373,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
     first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic.
 
-    PRE (with ROPE): the length, the idle splits' return, the first tile's loads (EARLY) and the L2 prefetches come
-    before the PDL wait: only earlier steps write the length and the rows before len-1 (the step's first kernel waits
-    for the step before, `_embed_kernel`), and the row len-1 comes from registers or after the store. L2_TILES: the
-    next L2_TILES tiles' K / V rows (after the first, or from it where not EARLY) prefetched into L2 (`_l2_prefetch`;
-    KLINE / VLINE values per 128-byte line, KNL / VNL lines per row rounded up to a power of two).
+    PRE (with ROPE): the length and the idle splits' return come before the PDL wait, and where a head has more
+    than one live split the first tile's loads (EARLY) too: only earlier steps write the length and the rows before
+    len-1 (the step's first kernel waits for the step before, `_embed_kernel`), and the row len-1 comes from registers
+    or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o).
     """
     if PRE:
         trigger(PDL)
@@ -404,6 +386,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
     if sp >= live:
         return
+    if PRE:
+        if live == 1:  # a short context: the wait first, the tile's loads with q / k / v's (NOTES.md 8o)
+            wait(PDL)
     h = tl.program_id(0)
     kvh = (h // G).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(n_live, live), BLOCK_N) * BLOCK_N
@@ -416,14 +401,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     v_base = v_ptr + kvh * v_sh
     if EARLY or not ROPE:
         kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
-    if L2_TILES > 0:
-        p0 = lo
-        if EARLY:
-            p0 = lo + BLOCK_N
-        _l2_prefetch(k_base, k_sn, p0, hi, D, KLINE, KNL, BLOCK_N, L2_TILES)
-        _l2_prefetch(v_base, v_sn, p0, hi, DV, VLINE, VNL, BLOCK_N, L2_TILES)
     if PRE:
-        wait(PDL)  # q, k, v: this step's
+        wait(PDL)  # q, k, v: this step's (a no-op where it came above)
     if ROPE:
         pos = kv_len - 1
         pos64 = pos.to(tl.int64)
@@ -564,13 +543,6 @@ class RopeStore(NamedTuple):
     rope_style: str
 
 
-def _lines(name: str, cache: torch.Tensor, d: int) -> dict[str, int]:
-    """`_l2_prefetch`'s constants for rows of d values of `cache`: values per 128-byte line, lines per row (a power
-    of two)."""
-    line = 128 // cache.element_size()
-    return {f"{name}LINE": line, f"{name}NL": _np2(-(-d // line))}
-
-
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                      scale: float, window: int, out: torch.Tensor,
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -578,7 +550,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True, pre: bool = False, l2_tiles: int = 0) -> torch.Tensor:
+                     early: bool = True, pre: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -594,8 +566,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
-    (`_attn_split_kernel` EARLY). pre (with rope): the length and the first tile (early) before the PDL wait;
-    l2_tiles: that many more tiles prefetched into L2 there (CUDA only: 0 elsewhere); `_attn_split_kernel` PRE.
+    (`_attn_split_kernel` EARLY). pre (with rope): the length and, with several live splits, the first tile (early)
+    before the PDL wait (`_attn_split_kernel` PRE).
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -631,7 +603,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
             **rconst, FUSED=fused, **oconst, EARLY=early, PRE=pre and rope is not None,
-            L2_TILES=l2_tiles if q.is_cuda else 0, **_lines("K", k_cache, d), **_lines("V", v_cache, dv),
             num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
