@@ -23,11 +23,11 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {
-    "attnpre": "the split attention reads the KV length and, with several live splits per head, loads its first "
-               "K / V tile before the PDL wait (while the q/k/v product runs; the step's first kernel waits for "
-               "the step before)",
+    "attnmid": "a phase from two live attention splits per head (129 positions) to the long phase: the split "
+               "attention reads the KV length and loads its first K / V tile before the PDL wait (while the q/k/v "
+               "product runs; the step's first kernel waits for the step before)",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnpre": {"attn_pre": True}}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnmid": {"attn_mid": (64, 4, 3, True, True)}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

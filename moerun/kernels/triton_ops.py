@@ -8,6 +8,7 @@ A weight type without a fused kernel falls back to TorchOps (visible in `paths`)
 from __future__ import annotations
 
 import warnings
+from bisect import bisect_right
 from contextlib import AbstractContextManager
 
 import torch
@@ -48,16 +49,14 @@ class TritonOps:
     where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before).
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
-    attn_tile: the split attention's (KV positions per tile, warps, programs per SM its split policy aims at);
-    attn_early: its first K / V tile loaded with the RoPE prologue's loads (160 registers per thread at OLMoE's shape,
-    3 programs per SM; False: after the prologue, 128).
-    attn_long: (attn_tile..., attn_early) of the variant for long contexts (default `decode_ops.ATTN_LONG`: the
-    first tile after the prologue, 128 registers, 4 programs per SM), run from the KV length
-    `decode_ops.attention_long_from` gives (`attention_phases`: phase 1; the fast step captures a graph per phase;
-    H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n); None: attn_tile / attn_early at every length.
-    attn_long_from: the KV length phase 1 starts from instead (tests; tuning).
-    attn_pre: the split attention reads the KV length and, with several live splits, loads its first tile (where
-    early) before the PDL wait (`decode_ops._attn_split_kernel` PRE).
+    attn_short, attn_mid, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per
+    tile, warps, programs per SM its split policy aims at, first tile with the RoPE prologue's loads, length and
+    first tile before the PDL wait) for the phases of the context's length (`attention_phases`; the fast step
+    captures a graph per phase): short from length 1 (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per
+    thread at OLMoE's shape, 3 programs per SM), mid (None: no such phase) from `decode_ops.attention_mid_from`
+    (two live splits per head), long (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128
+    registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase)
+    from `decode_ops.attention_long_from`. attn_mid_from / attn_long_from: those lengths instead (tests; tuning).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -69,9 +68,9 @@ class TritonOps:
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
-                 attn_tile: tuple[int, int, int] = (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM),
-                 attn_early: bool = True, attn_long: tuple[int, int, int, bool] | None = dk.ATTN_LONG,
-                 attn_long_from: int | None = None, attn_pre: bool = False) -> None:
+                 attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_mid: dk.AttnVariant | None = None,
+                 attn_mid_from: int | None = None, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
+                 attn_long_from: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -80,9 +79,8 @@ class TritonOps:
         self.pdl = pdl
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
-        self._attn_variants = ((*attn_tile, attn_early), attn_long)  # (block_n, warps, pps, early) per phase
-        self.attn_long_from = attn_long_from
-        self.attn_pre = attn_pre
+        self._attn_variants = (attn_short, attn_mid, attn_long)
+        self.attn_mid_from, self.attn_long_from = attn_mid_from, attn_long_from
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -278,22 +276,35 @@ class TritonOps:
                                                     device=k_cache.device)
         return table
 
-    def attention_phases(self, n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
-        """(1,), or (1, L) where `attn_long` runs from KV length L (`decode_ops.attention_long_from`)."""
-        short, long = self._attn_variants
-        if long is None:
-            return (1,)
-        start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), short, long)
-        return (1,) if start is None else (1, max(start, 2))
+    def _phase_table(self, n_ctx: int, n_head: int, device: torch.device) -> list[tuple[int, dk.AttnVariant]]:
+        """[(KV length it starts from, variant)] of each attention phase, the starts ascending from 1."""
+        short, mid, long = self._attn_variants
+        table = [(1, short)]
+        if mid is not None:
+            table.append((self.attn_mid_from or dk.attention_mid_from(short), mid))
+        if long is not None:
+            start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), short, long)
+            if start is not None:
+                table.append((start, long))
+        phases: list[tuple[int, dk.AttnVariant]] = []
+        for start, variant in reversed(table):  # a phase that would start no earlier than the next one: none
+            if not phases or start < phases[0][0]:
+                phases.insert(0, (start, variant))
+        return phases
 
-    def _attn_variant(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> tuple[int, int, int, bool]:
-        """(block_n, warps, pps, early) of this step's attention launch: the long variant in phase 1, except for a
-        sliding window too short to reach the length it starts from."""
-        short, long = self._attn_variants
-        if self.attn_phase == 0 or long is None:
-            return short
-        start = self.attention_phases(k_cache.shape[0], out.shape[0], out.device)[-1]
-        return long if window <= 0 or window >= start else short
+    def attention_phases(self, n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
+        """The KV lengths each attention phase starts from (`_phase_table`): (1,), (1, mid), (1, long), (1, mid,
+        long)."""
+        return tuple(start for start, _ in self._phase_table(n_ctx, n_head, device))
+
+    def _attn_variant(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dk.AttnVariant:
+        """This step's attention variant: its phase's, or for a sliding window too short to reach that phase the
+        phase of the window's length."""
+        table = self._phase_table(k_cache.shape[0], out.shape[0], out.device)
+        p = min(self.attn_phase, len(table) - 1)
+        if window > 0:
+            p = min(p, bisect_right([start for start, _ in table], window) - 1)
+        return table[p][1]
 
     def _attention_scratch(self, k_cache: torch.Tensor, out: torch.Tensor, block_n: int,
                            pps: int) -> tuple[torch.Tensor, ...]:
@@ -321,11 +332,11 @@ class TritonOps:
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
-        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early, pre = self._attn_variant(k_cache, out, window)
         dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out,
                             self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, out_x24=out_x24,
                             counters=self._attn_counters(out), block_n=block_n, num_warps=warps, early=early,
-                            pre=self.attn_pre)
+                            pre=pre)
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -337,11 +348,11 @@ class TritonOps:
         q themselves and store this step's k and v (q_rot is not written; pos_t is kv_len_t - 1)."""
         table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
-        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early, pre = self._attn_variant(k_cache, out, window)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, rope=rope,
                             out_x24=out_x24, counters=self._attn_counters(out), block_n=block_n,
-                            num_warps=warps, early=early, pre=self.attn_pre)
+                            num_warps=warps, early=early, pre=pre)
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -264,16 +264,27 @@ NO_WINDOW = 1 << 30
 ATTN_PROGRAMS_PER_SM = 3
 
 
-# the long-context variant (block_n, warps, programs per SM, early): the first tile after the RoPE prologue (128
-# registers at OLMoE's shape, no spills) so 4 programs fit an SM; at depth 0 its extra round trip costs 3% (NOTES 8n)
-ATTN_LONG = (ATTN_BLOCK_N, 4, 4, False)
+# attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
+# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), PRE)
+AttnVariant = tuple[int, int, int, bool, bool]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False)
+# several live splits per head: the length and the first tile before the PDL wait (NOTES.md 8o)
+ATTN_MID: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, True)
+# the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
+# depth 0 its extra round trip costs 3% (NOTES.md 8n)
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False)
 
 
-def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: tuple[int, int, int, bool],
-                        long: tuple[int, int, int, bool], min_split: int = ATTN_MIN_SPLIT) -> int | None:
-    """The KV length from which the `long` variant (block_n, warps, programs per SM, early) runs instead of
-    `short`: the first at which `short`'s split policy has every split live (`_live_splits`) while `long`'s has
-    more; None where it never does (a context `short`'s splits already cut into min_split-position pieces)."""
+def attention_mid_from(short: AttnVariant, min_split: int = ATTN_MIN_SPLIT) -> int:
+    """The KV length from which a head has two live splits under `short`'s policy (`_live_splits`)."""
+    return max(min_split, short[0]) + 1
+
+
+def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
+                        min_split: int = ATTN_MIN_SPLIT) -> int | None:
+    """The KV length from which the `long` variant runs instead of `short`: the first at which `short`'s split
+    policy has every split live (`_live_splits`) while `long`'s has more; None where it never does (a context
+    `short`'s splits already cut into min_split-position pieces)."""
     s_short = attention_splits(n_ctx, n_head, sm_count, short[0], short[2])
     s_long = attention_splits(n_ctx, n_head, sm_count, long[0], long[2])
     start = max(min_split, short[0]) * s_short + 1
