@@ -26,8 +26,10 @@ FEATURES: dict[str, str] = {
     "attnmid": "a phase from two live attention splits per head (129 positions) to the long phase: the split "
                "attention reads the KV length and loads its first K / V tile before the PDL wait (while the q/k/v "
                "product runs; the step's first kernel waits for the step before)",
+    "attnmidlate": "attnmid with the attention letting the next kernel launch only after its wait",
 }
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnmid": {"attn_mid": (64, 4, 3, True, True)}}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnmid": {"attn_mid": (64, 4, 3, True, 1)},
+                                           "attnmidlate": {"attn_mid": (64, 4, 3, True, 2)}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -214,7 +214,7 @@ def test_attention_phases() -> None:
     from moerun.kernels.triton_ops import TritonOps
 
     short = dk.ATTN_SHORT
-    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False)
+    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, 0)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 128 positions cover 3,200; 33 with the long variant
     assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 3201
     assert dk.attention_long_from(3200, 16, 132, short, dk.ATTN_LONG) is None  # never reached

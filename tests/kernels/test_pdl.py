@@ -80,7 +80,7 @@ elif sys.argv[2] == "attn_pre":  # OLMoE's split attention with RoPE + full QK-n
     fn = dk._attn_split_kernel
     consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
                   QK_NORM=2, NEOX=1, K_BF16=False, V_BF16=False, BLOCK_FQ=2048, BLOCK_FK=2048, FUSED=True,
-                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=True, PRE=True, PDL=pdl)
+                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=True, PRE=1, PDL=pdl)
     types = {"k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64", "cnt_ptr": "*i32", "qk_scale": "fp32",
              "eps": "fp32", "window": "i32", "k_sn": "i32", "k_sh": "i32", "v_sn": "i32", "v_sh": "i32"}
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
