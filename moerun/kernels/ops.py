@@ -22,14 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "attnmid": "a phase from two live attention splits per head (129 positions) to the long phase: the split "
-               "attention reads the KV length and loads its first K / V tile before the PDL wait (while the q/k/v "
-               "product runs; the step's first kernel waits for the step before)",
-    "attnmidlate": "attnmid with the attention letting the next kernel launch only after its wait",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"attnmid": {"attn_mid": (64, 4, 3, True, 1)},
-                                           "attnmidlate": {"attn_mid": (64, 4, 3, True, 2)}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -53,10 +53,12 @@ class TritonOps:
     tile, warps, programs per SM its split policy aims at, first tile with the RoPE prologue's loads, length and
     first tile before the PDL wait) for the phases of the context's length (`attention_phases`; the fast step
     captures a graph per phase): short from length 1 (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per
-    thread at OLMoE's shape, 3 programs per SM), mid (None: no such phase) from `decode_ops.attention_mid_from`
-    (two live splits per head), long (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128
-    registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase)
-    from `decode_ops.attention_long_from`. attn_mid_from / attn_long_from: those lengths instead (tests; tuning).
+    thread at OLMoE's shape, 3 programs per SM), mid (default `decode_ops.ATTN_MID`: the KV length and the first
+    tile before the PDL wait; H100 Q4_K_M tg128 @ d2048 +4.1%, NOTES.md 8o; None: no such phase) from
+    `decode_ops.attention_mid_from` (two live splits per head), long (default `decode_ops.ATTN_LONG`: the first
+    tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md
+    8n; None: no such phase) from `decode_ops.attention_long_from`. attn_mid_from / attn_long_from: those lengths
+    instead (tests; tuning).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -68,7 +70,7 @@ class TritonOps:
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
-                 attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_mid: dk.AttnVariant | None = None,
+                 attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_mid: dk.AttnVariant | None = dk.ATTN_MID,
                  attn_mid_from: int | None = None, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints

@@ -188,13 +188,13 @@ def _step_inputs(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_ctx:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fused,early,pre", [(True, True, 0), (False, True, 0), (True, False, 0), (True, True, 1),
-                                             (True, False, 1), (True, True, 2)], ids=str)
+@pytest.mark.parametrize("fused,early,pre", [(True, True, False), (False, True, False), (True, False, False),
+                                             (True, True, True), (True, False, True)], ids=str)
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
     (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
     (2, 2, 64, 64, 5, 33, 0), (2, 1, 32, 32, 2, 80, 0)])
 def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
-                                           kv_len: int, window: int, fused: bool, early: bool, pre: int,
+                                           kv_len: int, window: int, fused: bool, early: bool, pre: bool,
                                            cache_dtype: torch.dtype) -> None:
     """The split programs load their first K / V tile before this step's row is stored: where that tile holds
     position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop

@@ -265,14 +265,15 @@ ATTN_PROGRAMS_PER_SM = 3
 
 
 # attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
-# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), PRE: 0, 1 or 2)
-AttnVariant = tuple[int, int, int, bool, int]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, 0)
-# several live splits per head: the length and the first tile before the PDL wait (NOTES.md 8o)
-ATTN_MID: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, 1)
+# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), PRE)
+AttnVariant = tuple[int, int, int, bool, bool]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False)
+# several live splits per head: the length and the first tile before the PDL wait, the trigger after it; H100
+# Q4_K_M tg128 @ d512 +2.8%, @ d2048 +4.1%, F16 +0.1% / +0.4% (NOTES.md 8o)
+ATTN_MID: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, True)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, 0)
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False)
 
 
 def attention_mid_from(short: AttnVariant, min_split: int = ATTN_MIN_SPLIT) -> int:
@@ -360,7 +361,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
                        X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
-                       PRE: tl.constexpr = 0, PDL: tl.constexpr = False):
+                       PRE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -387,19 +388,17 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     PRE (with ROPE): the length and the idle splits' return come before the PDL wait, and where a head has more
     than one live split the first tile's loads (EARLY) too: only earlier steps write the length and the rows before
     len-1 (the step's first kernel waits for the step before, `_embed_kernel`), and the row len-1 comes from registers
-    or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o). PRE 1:
-    the next kernel may launch at once (as without PRE); 2: only after the wait (its programs then cannot take the
-    SMs while the q/k/v product's last programs still need them).
+    or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o). The
+    next kernel may launch only after the wait (launched at once, its programs took the SMs the q/k/v product's
+    later programs still needed: F16 -1.6% at depth 512, NOTES.md 8o).
     """
-    if PRE == 1:
-        trigger(PDL)
-    elif PRE == 0:
+    if not PRE:
         begin(PDL)
     sp = tl.program_id(1)
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
     if sp >= live:
         return
-    if PRE > 0:
+    if PRE:
         if live == 1:  # a short context: the wait first, the tile's loads with q / k / v's (NOTES.md 8o)
             wait(PDL)
     h = tl.program_id(0)
@@ -414,9 +413,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     v_base = v_ptr + kvh * v_sh
     if EARLY or not ROPE:
         kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
-    if PRE > 0:
+    if PRE:
         wait(PDL)  # q, k, v: this step's (a no-op where it came above)
-    if PRE == 2:
         trigger(PDL)
     if ROPE:
         pos = kv_len - 1
@@ -565,7 +563,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True, pre: int = 0) -> torch.Tensor:
+                     early: bool = True, pre: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -582,7 +580,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
     (`_attn_split_kernel` EARLY). pre (with rope): the length and, with several live splits, the first tile (early)
-    before the PDL wait (`_attn_split_kernel` PRE: 1 the trigger first, 2 after the wait; 0 neither).
+    before the PDL wait, its trigger after it (`_attn_split_kernel` PRE).
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -617,7 +615,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=early, PRE=pre if rope is not None else 0,
+            **rconst, FUSED=fused, **oconst, EARLY=early, PRE=pre and rope is not None,
             num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
