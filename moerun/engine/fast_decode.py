@@ -3,8 +3,9 @@
 Everything stays on the device within a step: the token and position are read from device buffers,
 the router's top-k runs on the GPU and the expert kernels read the chosen ids from device memory;
 the host only reads the chosen next token. The same step runs eagerly (any device, `TorchOps` or
-Triton ops) or captured once and replayed (`use_graph`, CUDA only). Ops whose attention has a long-context variant
-(`attention_phases`) get one graph per phase, each replayed for the positions of its phase.
+Triton ops) or captured once and replayed (`use_graph`, CUDA only). Ops whose attention has variants for ranges of
+the context's length (`attention_phases`: TritonOps' short, mid and long phases) get one graph per phase, each
+replayed for the positions of its phase.
 
 A dense MLP is run as a one-expert MoE (ids = [0], weight 1), so every model uses the same two
 fused FFN kernels.
