@@ -108,7 +108,6 @@ class FastDecoder:
         self.sampler: Any = None  # a moerun.engine.sampler.Sampler; None = greedy (ops.argmax)
         self._graph_key: Any = None  # the sampler structure the graph was captured with
         self.graphs: list[torch.cuda.CUDAGraph] | None = None  # one per attention phase (`_phase_starts`)
-        self._phases: tuple[Any, tuple[int, ...]] | None = None  # (the ops they were asked of, their starts)
         self._chained: tuple[int, int] | None = None  # (token, pos) the device inputs already hold
         self.use_graph = use_graph and dev.type == "cuda"
         # `stream`: two host slots for chosen tokens (pinned on CUDA, so the copies are asynchronous) and the
@@ -238,12 +237,9 @@ class FastDecoder:
                          route=route)
 
     def _phase_starts(self) -> tuple[int, ...]:
-        """The KV lengths from which each of the ops' attention phases runs (`ops.attention_phases`), ascending
-        from 1; asked again whenever the ops object changes."""
-        if self._phases is None or self._phases[0] is not self.ops:
-            cfg = self.cfg
-            self._phases = (self.ops, self.ops.attention_phases(self.cache.n_ctx, cfg.n_head, self.device))
-        return self._phases[1]
+        """The KV lengths from which each of the ops' attention phases runs (`ops.attention_phases`, host
+        arithmetic), ascending from 1."""
+        return self.ops.attention_phases(self.cache.n_ctx, self.cfg.n_head, self.device)
 
     def _phase(self, pos: int) -> int:
         """The attention phase of the step at `pos` (KV length pos + 1)."""

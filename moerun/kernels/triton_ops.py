@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from bisect import bisect_right
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -319,6 +320,12 @@ class TritonOps:
             scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
         return scratch
 
+    def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
+        """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
+        block_n, warps, pps, early, pre = self._attn_variant(k_cache, out, window)
+        return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
+                    block_n=block_n, num_warps=warps, early=early, pre=pre)
+
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None
 
@@ -334,11 +341,8 @@ class TritonOps:
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
-        block_n, warps, pps, early, pre = self._attn_variant(k_cache, out, window)
-        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out,
-                            self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, out_x24=out_x24,
-                            counters=self._attn_counters(out), block_n=block_n, num_warps=warps, early=early,
-                            pre=pre)
+        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, out_perm=out_perm, out_x24=out_x24,
+                            **self._attn_launch(k_cache, out, window))
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
                        k_norm_w: torch.Tensor | None, pos_t: torch.Tensor, kv_len_t: torch.Tensor,
@@ -350,11 +354,8 @@ class TritonOps:
         q themselves and store this step's k and v (q_rot is not written; pos_t is kv_len_t - 1)."""
         table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
         rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
-        block_n, warps, pps, early, pre = self._attn_variant(k_cache, out, window)
         dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
-                            self._attention_scratch(k_cache, out, block_n, pps), out_perm=out_perm, rope=rope,
-                            out_x24=out_x24, counters=self._attn_counters(out), block_n=block_n,
-                            num_warps=warps, early=early, pre=pre)
+                            out_perm=out_perm, rope=rope, out_x24=out_x24, **self._attn_launch(k_cache, out, window))
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,
                chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
