@@ -4,7 +4,7 @@ Everything stays on the device within a step: the token and position are read fr
 the router's top-k runs on the GPU and the expert kernels read the chosen ids from device memory;
 the host only reads the chosen next token. The same step runs eagerly (any device, `TorchOps` or
 Triton ops) or captured once and replayed (`use_graph`, CUDA only). Ops whose attention has variants for ranges of
-the context's length (`attention_phases`: TritonOps' short, mid and long phases) get one graph per phase, each
+the context's length (`attention_phases`: TritonOps' short and long phases) get one graph per phase, each
 replayed for the positions of its phase.
 
 A dense MLP is run as a one-expert MoE (ids = [0], weight 1), so every model uses the same two

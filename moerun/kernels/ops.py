@@ -22,13 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "preshort": "the short attention phase (up to 128 positions) with the mid phase's PRE: the KV length before the "
-                "PDL wait, the next kernel launched only after it",
-    "prelong": "the long attention phase with PRE (the KV length before the PDL wait, the trigger after it)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"preshort": {"attn_short": (64, 4, 3, True, True)},
-                                           "prelong": {"attn_long": (64, 4, 4, False, True)}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -85,8 +85,8 @@ class TorchOps:
 
     @staticmethod
     def attention_phases(n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
-        """The KV lengths from which each attention variant runs, ascending from 1 (here one; TritonOps: short,
-        mid and long phases); the fast step sets `attn_phase` per step and captures a graph per phase."""
+        """The KV lengths from which each attention variant runs, ascending from 1 (here one; TritonOps: short and
+        long phases); the fast step sets `attn_phase` per step and captures a graph per phase."""
         return (1,)
 
     @staticmethod

@@ -50,16 +50,14 @@ class TritonOps:
     where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before).
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
-    attn_short, attn_mid, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per
-    tile, warps, programs per SM its split policy aims at, first tile with the RoPE prologue's loads, length and
-    first tile before the PDL wait) for the phases of the context's length (`attention_phases`; the fast step
-    captures a graph per phase): short from length 1 (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per
-    thread at OLMoE's shape, 3 programs per SM), mid (default `decode_ops.ATTN_MID`: the KV length and the first
-    tile before the PDL wait; H100 Q4_K_M tg128 @ d2048 +4.1%, NOTES.md 8o; None: no such phase) from
-    `decode_ops.attention_mid_from` (two live splits per head), long (default `decode_ops.ATTN_LONG`: the first
-    tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md
-    8n; None: no such phase) from `decode_ops.attention_long_from`. attn_mid_from / attn_long_from: those lengths
-    instead (tests; tuning).
+    attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
+    programs per SM its split policy aims at, first tile with the RoPE prologue's loads) for the phases of the
+    context's length (`attention_phases`; the fast step captures a graph per phase): short from length 1
+    (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
+    (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
+    tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
+    (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live
+    splits per head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -71,8 +69,7 @@ class TritonOps:
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
-                 attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_mid: dk.AttnVariant | None = dk.ATTN_MID,
-                 attn_mid_from: int | None = None, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
+                 attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
@@ -82,8 +79,7 @@ class TritonOps:
         self.pdl = pdl
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
-        self._attn_variants = (attn_short, attn_mid, attn_long)
-        self.attn_mid_from, self.attn_long_from = attn_mid_from, attn_long_from
+        self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -280,24 +276,18 @@ class TritonOps:
         return table
 
     def _phase_table(self, n_ctx: int, n_head: int, device: torch.device) -> list[tuple[int, dk.AttnVariant]]:
-        """[(KV length it starts from, variant)] of each attention phase, the starts ascending from 1."""
-        short, mid, long = self._attn_variants
-        table = [(1, short)]
-        if mid is not None:
-            table.append((self.attn_mid_from or dk.attention_mid_from(short), mid))
-        if long is not None:
-            start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), short, long)
-            if start is not None:
-                table.append((start, long))
-        phases: list[tuple[int, dk.AttnVariant]] = []
-        for start, variant in reversed(table):  # a phase that would start no earlier than the next one: none
-            if not phases or start < phases[0][0]:
-                phases.insert(0, (start, variant))
-        return phases
+        """[(KV length it starts from, variant)] of each attention phase: the short one from 1, the long one
+        (where there is one) after it."""
+        table = [(1, self.attn_short)]
+        if self.attn_long is not None:
+            start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), self.attn_short,
+                                                                  self.attn_long)
+            if start is not None and start > 1:
+                table.append((start, self.attn_long))
+        return table
 
     def attention_phases(self, n_ctx: int, n_head: int, device: torch.device) -> tuple[int, ...]:
-        """The KV lengths each attention phase starts from (`_phase_table`): (1,), (1, mid), (1, long), (1, mid,
-        long)."""
+        """The KV lengths each attention phase starts from (`_phase_table`): (1,) or (1, long)."""
         return tuple(start for start, _ in self._phase_table(n_ctx, n_head, device))
 
     def _attn_variant(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dk.AttnVariant:
@@ -322,9 +312,9 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early, pre = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, pre=pre)
+                    block_n=block_n, num_warps=warps, early=early)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None

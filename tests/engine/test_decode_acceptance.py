@@ -51,16 +51,16 @@ def long_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]
 @pytest.mark.parametrize("kv_len", KV_LENGTHS)
 def test_step_at_kv_length(long_file, kv_len: int, phases: str) -> None:
     """The step that brings the cache to kv_len positions (the prompt before it prefilled): reference logits to
-    1e-4; on CUDA the graph's logits equal the eager step's. "forced" (the Triton ops): the attention's mid phase
-    from length 9 and its long phase from 1000, so 17 and 4095 run those variants (with 4 heads the tiny model's
+    1e-4; on CUDA the graph's logits equal the eager step's. "forced" (the Triton ops): the attention's long phase
+    from length 1000, so 4095 runs that variant (with 4 heads the tiny model's
     4096-token context never reaches the long phase on its own: `decode_ops.attention_long_from`)."""
     path, tokens, ref = long_file
     got = {}
     for graph in GRAPH:
         eng = Engine(path, fast=True, graph=graph, n_ctx=N_CTX, **KW)
         if phases == "forced":
-            eng.fast.ops.attn_mid_from, eng.fast.ops.attn_long_from = 9, 1000
-            assert eng.fast._phase(kv_len - 1) == (0 if kv_len < 9 else 1 if kv_len < 1000 else 2)
+            eng.fast.ops.attn_long_from = 1000
+            assert eng.fast._phase(kv_len - 1) == (0 if kv_len < 1000 else 1)
         if kv_len > 1:
             eng.prefill(tokens[:kv_len - 1])
         eng.decode(tokens[kv_len - 1])

@@ -183,7 +183,7 @@ def test_make_ops_names() -> None:
         make_ops("triton+fast")
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
-                 "attnmidlate"):
+                 "attnmidlate", "preshort", "prelong"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -200,7 +200,7 @@ def test_make_ops_names() -> None:
 
     assert t.pdl and make_ops("triton-bytes").pdl and not make_ops("triton-nopdl").pdl
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
-    block_n, _, pps, _, _ = t._attn_variant(k, o, 0)
+    block_n, _, pps, _ = t._attn_variant(k, o, 0)
     assert t._attention_scratch(k, o, block_n, pps)[0].shape[1] == dk.attention_splits(
         4096, 16, sm_count(o.device), programs_per_sm=3)
 
@@ -208,23 +208,22 @@ def test_make_ops_names() -> None:
 def test_attention_phases() -> None:
     """Where the long-context attention variant starts: once the default's splits (3 programs per SM) are all live
     and the long one's (4 per SM) are more; never in a context too short for that, nor for a sliding window too
-    short to reach it. A mid phase (where asked for) from two live splits per head; a phase that would start no
-    later than the one before is dropped."""
+    short to reach it."""
     from moerun.kernels.ops import make_ops
     from moerun.kernels.triton import decode_ops as dk
     from moerun.kernels.triton_ops import TritonOps
 
     short = dk.ATTN_SHORT
-    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False)
+    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 128 positions cover 3,200; 33 with the long variant
     assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 3201
     assert dk.attention_long_from(3200, 16, 132, short, dk.ATTN_LONG) is None  # never reached
     assert dk.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
     assert dk.attention_long_from(1 << 20, 4, 132, short, dk.ATTN_LONG) == 99 * 128 + 1
-    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 129, 769)  # NOTES 8n, 8o
-    t = TritonOps(attn_mid=None, attn_long=None)
+    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)  # NOTES 8n, 8r
+    t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
-    t = TritonOps(attn_mid=None)  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
+    t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
     assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 769)
     assert t.attention_phases(512, 2, torch.device("cpu")) == (1,)
     k, o = torch.empty(1024, 1, 64), torch.empty(2, 64)
@@ -233,17 +232,8 @@ def test_attention_phases() -> None:
     assert [t._attn_variant(k, o, w) for w in (0, 768, 769)] == [dk.ATTN_LONG, short, dk.ATTN_LONG]
     t.attn_long_from = 5
     assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 5)
-    t = make_ops("triton")
-    assert dk.attention_mid_from(short) == 129
-    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 129, 769)
-    assert t.attention_phases(512, 2, torch.device("cpu")) == (1, 129)
-    t.attn_phase = 2
-    assert [t._attn_variant(k, o, w) for w in (0, 128, 129, 768, 769)] == [dk.ATTN_LONG, short, dk.ATTN_MID,
-                                                                            dk.ATTN_MID, dk.ATTN_LONG]
-    t.attn_phase = 1
-    assert t._attn_variant(k, o, 0) == dk.ATTN_MID
-    t.attn_mid_from = 800  # after the long phase's start: no mid phase
-    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 769)
+    t.attn_long_from = 1  # no short phase left: one phase
+    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1,)
 
 
 class PhasedTorchOps(TorchOps):
@@ -323,9 +313,8 @@ def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) ->
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
     quantized by its producers, the attention's reduce in its split launch, a layer's Q4_K q/k and Q6_K v in one
-    launch) end to end, the second step in the mid attention phase; the F16 file's byte-decoding kernels (top-k in
-    their gate/up launch too) in ~15 s, a third step in the long phase, and on it the features not yet measured,
-    all at once."""
+    launch) end to end, the second step in the long attention phase; the F16 file's byte-decoding kernels (top-k in
+    their gate/up launch too) in ~15 s, three steps, and on it the features not yet measured, all at once."""
     from moerun.synth import synthesize
 
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
@@ -334,7 +323,7 @@ def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) ->
     tokens = [5, 17] if ftype == "q4_k_m" else [5, 17, 3]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
-    eng.fast.ops.attn_mid_from, eng.fast.ops.attn_long_from = 2, 3  # step 1 in the mid phase, 2 the long (8n, 8o)
+    eng.fast.ops.attn_long_from = 2  # from step 1 in the long phase (NOTES.md 8n)
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
@@ -347,7 +336,7 @@ def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) ->
 def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     """The default ops, each ops feature not yet measured and all together, in graph-replayed steps of synth's tiny
     OLMoE (whose products all take the integer kernels for Q4_K_M and Q8_0, the byte kernels for F16: every down
-    kernel with its experts ahead) against the reference; steps 2-4 replay the mid attention phase's graph, steps
+    kernel with its experts ahead) against the reference; steps 0-4 replay the short attention phase's graph, steps
     5-7 the long-context phase's."""
     from moerun.synth import synthesize
 
@@ -357,12 +346,12 @@ def test_features_in_the_step(ops: str, ftype: str, tmp_path: Path) -> None:
     tokens = [5, 17, 3, 250, 9, 41, 77, 1]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=True, **kw)
-    eng.fast.ops.attn_mid_from, eng.fast.ops.attn_long_from = 3, 6  # NOTES.md 8o, 8n
+    eng.fast.ops.attn_long_from = 6  # NOTES.md 8n
     for i, tok in enumerate(tokens):
         eng.decode(tok)
         err = rel_err(eng.fast.logits, ref[i])
         assert err < 1e-4, f"{ops} {ftype} step {i}: relative logit error {err:.2e}"
-    assert len(eng.fast.graphs) == 3
+    assert len(eng.fast.graphs) == 2
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton ops run on CUDA here (the interpreter takes ~10 min)")

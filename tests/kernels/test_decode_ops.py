@@ -188,13 +188,12 @@ def _step_inputs(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_ctx:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fused,early,pre", [(True, True, False), (False, True, False), (True, False, False),
-                                             (True, True, True), (True, False, True)], ids=str)
+@pytest.mark.parametrize("fused,early", [(True, True), (False, True), (True, False)], ids=str)
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
     (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
     (2, 2, 64, 64, 5, 33, 0), (2, 1, 32, 32, 2, 80, 0)])
 def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
-                                           kv_len: int, window: int, fused: bool, early: bool, pre: bool,
+                                           kv_len: int, window: int, fused: bool, early: bool,
                                            cache_dtype: torch.dtype) -> None:
     """The split programs load their first K / V tile before this step's row is stored: where that tile holds
     position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop
@@ -203,8 +202,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     against qk_norm_rope_store then attention_decode: the same cache rows bit for bit, the same output and quantized
     output (f16 / bf16 / f32 caches, GQA, a window, one and several live splits (min_split 16), tiles of 16
     positions, the fused reduce and the reduce launch); also with the first tile loaded after the prologue and its
-    barrier instead (`early` False, `decode_ops.ATTN_LONG`); and with the length and the first tile read before
-    the PDL wait (`pre`)."""
+    barrier instead (`early` False, `decode_ops.ATTN_LONG`)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
@@ -219,7 +217,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     ops.attention_decode(q.view(h, d), k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16,
                          min_split=16, out_x24=out24,
                          counters=torch.zeros(h, dtype=torch.int32, device=DEV) if fused else None,
-                         rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox"), early=early, pre=pre)
+                         rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox"), early=early)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     close(out, want)
     if x24:

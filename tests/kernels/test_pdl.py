@@ -76,11 +76,11 @@ elif sys.argv[2] == "byte_down_route":  # the F16 down ranking its experts from 
 elif sys.argv[2] == "embed":  # the step's first kernel: its wait before its trigger
     fn, consts = ek._embed_kernel, {"QTYPE": 1, "BKC": 256, "PDL": pdl}
     types = {"w_ptr": "*fp16", "ids_ptr": "*i64", "scale": "fp32", "K": "i32", "stride_w": "i32", "stride_out": "i32"}
-elif sys.argv[2] == "attn_pre":  # OLMoE's split attention with RoPE + full QK-norm, PRE
+elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + full QK-norm: short / long
     fn = dk._attn_split_kernel
     consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
                   QK_NORM=2, NEOX=1, K_BF16=False, V_BF16=False, BLOCK_FQ=2048, BLOCK_FK=2048, FUSED=True,
-                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=True, PRE=True, PDL=pdl)
+                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=sys.argv[2] == "attn_short", PDL=pdl)
     types = {"k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64", "cnt_ptr": "*i32", "qk_scale": "fp32",
              "eps": "fp32", "window": "i32", "k_sn": "i32", "k_sh": "i32", "v_sn": "i32", "v_sh": "i32"}
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
@@ -131,20 +131,22 @@ def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
 
 def test_step_boundary_and_attention_pre() -> None:
     """sm_90 PTX with PDL: the step's first kernel (embed) waits before it lets the next launch, so nothing of a step
-    starts before the step before has finished; the split attention with `pre` reads the length, waits there only
-    with one live split, loads its first K / V tile (16 loads: 8 K and 8 V vectors) before its last wait, and only
-    then lets the next kernel launch, and stores."""
+    starts before the step before has finished; the split attention with RoPE reads the length, waits there only
+    with one live split, loads its first K / V tile (16 loads: 8 K and 8 V vectors) before its last wait (the short
+    phase's early tile) or after it (the long phase's), and only then lets the next kernel launch, and stores."""
     ptx = _ptx("embed", True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first = re.search(r"\b(ld|st)\.global", ptx)
     assert 0 <= wait < trig and first is not None and wait < first.start()
-    ptx = _ptx("attn_pre", True)
-    trig, wait, last = (ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"),
-                        ptx.rfind("griddepcontrol.wait"))
-    store = re.search(r"\bst\.global", ptx)
-    assert 0 <= wait < last < trig < store.start()
-    assert len(re.findall(r"\bld\.global", ptx[:wait])) == 1  # the length
-    assert len(re.findall(r"\bld\.global", ptx[wait:last])) >= 16
+    for phase in ("short", "long"):
+        ptx = _ptx(f"attn_{phase}", True)
+        trig, wait, last = (ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"),
+                            ptx.rfind("griddepcontrol.wait"))
+        store = re.search(r"\bst\.global", ptx)
+        assert 0 <= wait < last < trig < store.start(), phase
+        assert len(re.findall(r"\bld\.global", ptx[:wait])) == 1, phase  # the length
+        tile = len(re.findall(r"\bld\.global", ptx[wait:last]))
+        assert tile >= 16 if phase == "short" else tile == 0, (phase, tile)
 
 
 @pytest.mark.parametrize(("gate_up", "down", "min_loads"), [("gate_up_late", "down_route", 2 * 4 * 2),

@@ -265,20 +265,12 @@ ATTN_PROGRAMS_PER_SM = 3
 
 
 # attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
-# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), PRE)
-AttnVariant = tuple[int, int, int, bool, bool]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False)
-# several live splits per head: the length and the first tile before the PDL wait, the trigger after it; H100
-# Q4_K_M tg128 @ d512 +2.8%, @ d2048 +4.1%, F16 +0.1% / +0.4% (NOTES.md 8o)
-ATTN_MID: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, True)
+# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY))
+AttnVariant = tuple[int, int, int, bool]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False)
-
-
-def attention_mid_from(short: AttnVariant, min_split: int = ATTN_MIN_SPLIT) -> int:
-    """The KV length from which a head has two live splits under `short`'s policy (`_live_splits`)."""
-    return max(min_split, short[0]) + 1
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -361,7 +353,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
                        X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
-                       PRE: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -385,20 +377,21 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
     first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic.
 
-    PRE (with ROPE): the length and the idle splits' return come before the PDL wait, and where a head has more
+    PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more
     than one live split the first tile's loads (EARLY) too: only earlier steps write the length and the rows before
     len-1 (the step's first kernel waits for the step before, `_embed_kernel`), and the row len-1 comes from registers
     or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o). The
     next kernel may launch only after the wait (launched at once, its programs took the SMs the q/k/v product's
-    later programs still needed: F16 -1.6% at depth 512, NOTES.md 8o).
+    later programs still needed: F16 -1.6% at depth 512, NOTES.md 8o). H100: Q4_K_M tg128 +2.8% at depth 512, +4.1%
+    at 2048 (8o), +1.2% at depth 0, +0.7% at 4096 (8r). Without ROPE q is the kernel before's output: wait first.
     """
-    if not PRE:
+    if not ROPE:
         begin(PDL)
     sp = tl.program_id(1)
     kv_len, start, live, n_live = _live_splits(len_ptr, window, N_SPLITS, MIN_SPLIT)
     if sp >= live:
         return
-    if PRE:
+    if ROPE:
         if live == 1:  # a short context: the wait first, the tile's loads with q / k / v's (NOTES.md 8o)
             wait(PDL)
     h = tl.program_id(0)
@@ -413,7 +406,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     v_base = v_ptr + kvh * v_sh
     if EARLY or not ROPE:
         kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
-    if PRE:
+    if ROPE:
         wait(PDL)  # q, k, v: this step's (a no-op where it came above)
         trigger(PDL)
     if ROPE:
@@ -563,7 +556,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True, pre: bool = False) -> torch.Tensor:
+                     early: bool = True) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -579,8 +572,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
-    (`_attn_split_kernel` EARLY). pre (with rope): the length and, with several live splits, the first tile (early)
-    before the PDL wait, its trigger after it (`_attn_split_kernel` PRE).
+    (`_attn_split_kernel` EARLY); with rope and PDL the length and, with several live splits, the first tile
+    (early) come before the PDL wait, its trigger after it.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -615,7 +608,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=early, PRE=pre and rope is not None,
+            **rconst, FUSED=fused, **oconst, EARLY=early,
             num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,

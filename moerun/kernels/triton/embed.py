@@ -23,7 +23,7 @@ def _embed_kernel(w_ptr, ids_ptr, out_ptr, scale, K, stride_w, stride_out, QTYPE
 
     With PDL it waits before it lets the next kernel launch (the decode step's first kernel: a boundary), so no kernel
     of a step starts before the step before has finished: a kernel may read before its own wait what only earlier
-    steps write (the attention: the KV length and the cache's earlier rows, `_attn_split_kernel` PRE). In a CUDA
+    steps write (the attention: the KV length and the cache's earlier rows, `_attn_split_kernel`). In a CUDA
     graph the step's first kernel has nothing to wait for, so this costs nothing there."""
     wait(PDL)
     trigger(PDL)
