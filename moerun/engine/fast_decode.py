@@ -193,10 +193,9 @@ class FastDecoder:
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
         xp, x24 = L["attn_norm_outs"]
-        # the norm, then q, k and v: one product per run of matrices of one type (ops may launch two runs together,
-        # or the norm inside the products' launches)
-        ops.norm_qmatvecs(self.x, L["attn_norm"], cfg.rms_eps, self.xn,
-                          [(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], x_perm=xp, x24=x24)
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        # q, k and v: one product per run of matrices of one type (ops may launch two runs together)
+        ops.qmatvecs([(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], self.xn, x_perm=xp, x24=x24)
         wo = L["attn_output"]
         a24 = self.attn24 if ops.ints(wo.qtype, self.attn_p.shape[0], "mv") and cfg.head_dim_v % 32 == 0 else None
         ap = self.attn_p if a24 is None and ops.perm(wo.qtype, self.attn_p.shape[0], "mv") else None
@@ -259,8 +258,8 @@ class FastDecoder:
         for i, L in enumerate(self.layers):
             self._layer(i, L)
         xp, x24 = self.final_norm_outs
-        self.ops.norm_qmatvecs(self.x, self.out_norm, cfg.rms_eps, self.xn,
-                               [(self.out_mat.raw, self.out_mat.qtype, self.logits)], x_perm=xp, x24=x24)
+        self.ops.rms_norm(self.x, self.out_norm, cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
+        self.ops.qmatvec(self.out_mat.raw, self.out_mat.qtype, self.xn, self.logits, x_perm=xp, x24=x24)
         if cfg.final_logit_softcap:
             c = cfg.final_logit_softcap
             self.logits.copy_(torch.tanh(self.logits / c) * c)

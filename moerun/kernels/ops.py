@@ -22,11 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "normmv": "the RMSNorm before the q/k/v and output products inside their launches, for F32 / F16 / BF16 "
-              "matrices (no RMSNorm launch there)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"normmv": {"norm_mv": True}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

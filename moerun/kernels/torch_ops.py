@@ -129,14 +129,6 @@ class TorchOps:
         for w, qtype, out in prods:
             self.qmatvec(w, qtype, x, out, x_perm=x_perm, x24=x24)
 
-    def norm_qmatvecs(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, xn: torch.Tensor,
-                      prods: list[tuple[torch.Tensor, int, torch.Tensor]], x_perm: torch.Tensor | None = None,
-                      x24: Any = None) -> None:
-        """`rms_norm` of x [N] into xn (and x_perm / x24, where the products read x so), then `qmatvecs` of it
-        (TritonOps may fuse the norm into the products' launch and leave xn unwritten)."""
-        self.rms_norm(x, norm_w, eps, xn, out_perm=x_perm, out_x24=x24)
-        self.qmatvecs(prods, xn, x_perm=x_perm, x24=x24)
-
     @staticmethod
     def moe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",

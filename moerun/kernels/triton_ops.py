@@ -58,8 +58,6 @@ class TritonOps:
     tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
     (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live
     splits per head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
-    norm_mv: the RMSNorm before the q/k/v and output products inside their launches where those are F32 / F16 /
-    BF16 byte matvecs (`norm_qmatvecs`): a launch fewer per layer.
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -72,7 +70,7 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
-                 attn_long_from: int | None = None, norm_mv: bool = False) -> None:
+                 attn_long_from: int | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -82,7 +80,6 @@ class TritonOps:
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
-        self.norm_mv = norm_mv
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -174,21 +171,6 @@ class TritonOps:
             return
         for w, qt, out in prods:
             self.qmatvec(w, qt, x, out, x_perm=x_perm, x24=x24)
-
-    def norm_qmatvecs(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, xn: torch.Tensor,
-                      prods: list[tuple[torch.Tensor, int, torch.Tensor]], x_perm: torch.Tensor | None = None,
-                      x24: ik.X24 | None = None) -> None:
-        """As TorchOps.norm_qmatvecs; with `norm_mv`, where every product takes the byte kernel of an F32 / F16 /
-        BF16 matrix (no permuted or quantized x), the RMSNorm runs inside each product's launch (`qmatvec.qmatvec`
-        norm) and xn is not written."""
-        k = x.shape[-1]
-        if (self.norm_mv and x_perm is None and x24 is None and k <= qk.NORM_MAX_K
-                and all(qt in qk.FLOATS for _, qt, _ in prods)):
-            for w, qt, out in prods:
-                qk.qmatvec(w, qt, x, out, norm=(norm_w, eps))
-            return
-        self.rms_norm(x, norm_w, eps, xn, out_perm=x_perm, out_x24=x24)
-        self.qmatvecs(prods, xn, x_perm=x_perm, x24=x24)
 
     def moe_gate_up(self, w_gate: torch.Tensor, w_up: torch.Tensor, qtype_gate: int, qtype_up: int,
                     x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",

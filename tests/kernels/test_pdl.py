@@ -86,7 +86,7 @@ elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + ful
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
     fn = qk._qmatvec_kernel
     consts = dict(N_BLOCKS=2048, QTYPE=1, HAS_RES=False, BM=2, NB=1024, PRE=True, PDL=pdl)
-    types = {"w_ptr": "*fp16", "M": "i32", "stride_m": "i32", "eps": "fp32"}
+    types = {"w_ptr": "*fp16", "M": "i32", "stride_m": "i32"}
 else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
     fn = ik._imv_kernel
     consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl)

@@ -89,45 +89,6 @@ def test_qmatvec_pre(qtype, m, n_sb, small, device, rng) -> None:
     _check(got, ref, bound, seed, f"pre {qtype.name} M={m} K={k} tile={tile}")
 
 
-@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32], ids=lambda t: t.name)
-@pytest.mark.parametrize("m,k,small,res", [(1, 256, False, False), (130, 768, True, True), (37, 200, False, True),
-                                           (5, 1000, True, False)])
-def test_qmatvec_norm(qtype, m, k, small, res, device, rng) -> None:
-    """norm: the RMSNorm inside the launch, x its input (scaled up so the norm matters): the float64 product over
-    the float64 norm within the bound, and close to the RMSNorm launch then the plain product; odd K (a masked last
-    step, x read whole in a power-of-two block), one step or several, a residual the output aliases; other types or
-    K past NORM_MAX_K are refused."""
-    from moerun.kernels.triton import decode_ops as dk
-    from moerun.kernels.triton.qmatvec import NORM_MAX_K
-
-    gen, seed = rng
-    eps = 1e-6
-    raw, dense = _weights(qtype, (m,), k, gen, device)
-    x, nw = _vec(gen, k) * 7.0, _vec(gen, k)
-    xd = x.double()
-    xn = xd * torch.rsqrt(xd.pow(2).mean() + eps) * nw.double()
-    r = _vec(gen, m)
-    ref, bound = dense @ xn, dense.abs() @ xn.abs()
-    if res:
-        ref, bound = ref + r.double(), bound + r.double().abs()
-    tile = Tile(block_m=4, nb=128, num_warps=4) if small else None
-    out = r.to(device).clone() if res else torch.full((m,), float("nan"), device=device)
-    got = qmatvec(raw, int(qtype), x.to(device), out, out if res else None, tile=tile, norm=(nw.to(device), eps))
-    assert got is out
-    _check(out, ref, bound, seed, f"norm {qtype.name} M={m} K={k} tile={tile}")
-    xn32 = dk.rms_norm(x.to(device), nw.to(device), eps, torch.full((k,), float("nan"), device=device))
-    want = qmatvec(raw, int(qtype), xn32, r.to(device).clone(), r.to(device) if res else None, tile=tile)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * bound.abs().max().item())
-    with pytest.raises(ValueError, match="qmatvec norm needs an F32 / F16 / BF16 matrix"):
-        qmatvec(raw, int(qtype), x.to(device), out, tile=tile, norm=(nw.to(device), eps), pre=False)
-    big = torch.zeros(NORM_MAX_K + 1, device=device)
-    with pytest.raises(ValueError, match=f"K <= {NORM_MAX_K}"):
-        qmatvec(raw, int(qtype), big, out, norm=(big, eps))
-    q4, _ = _weights(T.Q4_K, (m,), SB, gen, device)
-    with pytest.raises(ValueError, match="got GGML type 12"):
-        qmatvec(q4, int(T.Q4_K), x[:SB].to(device), out, norm=(nw[:SB].to(device), eps))
-
-
 @pytest.mark.parametrize("e,n_sel,renorm,ties", [(6, 3, False, True), (64, 8, True, False), (37, 2, True, True)])
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q5_K], ids=lambda t: t.name)
 def test_moe_gate_up_routes(qtype, e, n_sel, renorm, ties, device, rng) -> None:
@@ -301,28 +262,3 @@ def test_triton_ops_routes_the_byte_down_after_its_gate_up(device, rng) -> None:
     got = ops.moe_down(wd, int(T.F16), h, other, route.weights_out, r, torch.full_like(r, float("nan")), route=route)
     want = moe_down(wd, int(T.F16), h, other, route.weights_out, r, torch.empty_like(r))
     assert torch.equal(got, want), f"a down with no late gate/up before it ranked the experts itself (seed {seed})"
-
-
-def test_triton_ops_norm_qmatvecs(device, rng) -> None:
-    """`norm_qmatvecs` with norm_mv (`triton+normmv`): F16 / BF16 runs (a layer's q/k/v as two runs) take the norm in
-    their launches, xn left as it was, the sums close to TorchOps' RMSNorm then products; a run of another type
-    (Q8_0), or the default ops, launch the RMSNorm into xn first."""
-    from moerun.kernels.ops import make_ops
-    from moerun.kernels.torch_ops import TorchOps
-
-    gen, seed = rng
-    k, eps = 256, 1e-5
-    x, nw = (_vec(gen, k) * 3.0).to(device), _vec(gen, k).to(device)
-    for types, ops_name, fused in (((T.F16, T.BF16), "triton+normmv", True), ((T.F16, T.Q8_0), "triton+normmv", False),
-                                   ((T.F16, T.BF16), "triton", False)):
-        mats = [_weights(qt, (m,), k, gen, device)[0] for qt, m in zip(types, (48, 16), strict=True)]
-        outs = [torch.full((m,), float("nan"), device=device) for m in (48, 16)]
-        wants = [torch.empty(m, device=device) for m in (48, 16)]
-        xn = torch.full((k,), float("nan"), device=device)
-        make_ops(ops_name).norm_qmatvecs(x, nw, eps, xn, [(w, int(qt), o) for w, qt, o in zip(mats, types, outs,
-                                                                                           strict=True)])
-        TorchOps().norm_qmatvecs(x, nw, eps, torch.empty(k, device=device),
-                                 [(w, int(qt), o) for w, qt, o in zip(mats, types, wants, strict=True)])
-        assert xn.isnan().all() == fused, (types, ops_name)
-        for got, want in zip(outs, wants, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{types} {ops_name} (seed {seed})")

@@ -3,8 +3,7 @@
 Weights stay in their GGUF bytes: uint8 `[M, row_bytes]` for a matrix, `[E, M, row_bytes]` for stacked
 experts; row r holds K / block_size consecutive blocks exactly as in the file. Activations are float32.
 
-- `qmatvec`      out[M] = W[M, K] @ x[K] (+ residual[M]); out may alias residual; F32 / F16 / BF16 weights may
-                 take x's RMSNorm inside the launch (`norm`).
+- `qmatvec`      out[M] = W[M, K] @ x[K] (+ residual[M]); out may alias residual.
 - `moe_gate_up`  out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for the n_sel selected experts.
 - `moe_down`     out[N] = residual[N] + sum_i weights[i] * (Wd[ids[i]] @ h[i]); out may alias residual.
 
@@ -48,7 +47,6 @@ SUPPORTED: frozenset[int] = frozenset(GEOMETRY)
 FLOATS: frozenset[int] = frozenset(q for q, g in GEOMETRY.items() if g[2] is not None)  # F32, F16, BF16
 
 ACTIVATIONS: dict[str, int] = {"silu": 0, "gelu_tanh": 1}
-NORM_MAX_K = 16384  # `qmatvec` norm: the longest x a program reads whole for its RMSNorm scale
 
 
 class Tile(NamedTuple):
@@ -140,25 +138,13 @@ def _check(qtype: int) -> None:
 
 
 @triton.jit
-def _normed_x(x_ptr, nw_ptr, r, kb, n, NB: tl.constexpr):
-    """RMSNorm'd x [NB] f32, elements kb .. kb+NB-1 (0 past n): x * r * w, `decode_ops._rms_norm_kernel`'s
-    arithmetic for a scale r."""
-    k = kb + tl.arange(0, NB)
-    x = tl.load(x_ptr + k, mask=k < n, other=0.0)
-    return x * r * tl.load(nw_ptr + k, mask=k < n, other=0.0)
-
-
-@triton.jit
 def _qmatvec_kernel(
-    w_ptr, x_ptr, res_ptr, out_ptr, M, stride_m, nw_ptr, eps,
+    w_ptr, x_ptr, res_ptr, out_ptr, M, stride_m,
     N_BLOCKS: tl.constexpr, QTYPE: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-    PRE: tl.constexpr = False, PDL: tl.constexpr = False, NORM: tl.constexpr = False, BLOCK_K: tl.constexpr = 1,
+    PRE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(M, BM),). w: [M, row] bytes (or typed floats), x: [K] f32, res/out: [M] f32. PRE (F32 / F16 /
-    BF16): the first K-step's weights are loaded before the PDL wait (nothing in the step writes weights), x after.
-    NORM (with PRE): x is the RMSNorm's input: each program reads all of x ([BLOCK_K] >= K) for its scale
-    1 / sqrt(mean(x^2) + eps), then multiplies rows with x * scale * nw (nw: [K] f32), so no RMSNorm launch comes
-    before this one."""
+    BF16): the first K-step's weights are loaded before the PDL wait (nothing in the step writes weights), x after."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)  # [BM]
     rmask = rows < M
     wrow = w_ptr + rows.to(tl.int64) * stride_m
@@ -166,18 +152,9 @@ def _qmatvec_kernel(
         trigger(PDL)
         w0 = float_w(wrow, rmask, 0, N_BLOCKS, NB)  # [BM, NB]
         wait(PDL)
-        if NORM:
-            kk = tl.arange(0, BLOCK_K)
-            xa = tl.load(x_ptr + kk, mask=kk < N_BLOCKS, other=0.0)  # [BLOCK_K]
-            r = 1.0 / tl.sqrt_rn(tl.sum(xa * xa, 0) / N_BLOCKS + eps)
-            part = w0.to(tl.float32) * _normed_x(x_ptr, nw_ptr, r, 0, N_BLOCKS, NB)[None, :]
-            for kb in range(NB, N_BLOCKS, NB):
-                part += (float_w(wrow, rmask, kb, N_BLOCKS, NB).to(tl.float32)
-                         * _normed_x(x_ptr, nw_ptr, r, kb, N_BLOCKS, NB)[None, :])
-        else:
-            part = w0.to(tl.float32) * float_x(x_ptr, 0, N_BLOCKS, NB)[None, :]  # `_float`'s first step
-            for kb in range(NB, N_BLOCKS, NB):
-                part += step(wrow, rmask, kb, N_BLOCKS, x_ptr, QTYPE, BM, NB)
+        part = w0.to(tl.float32) * float_x(x_ptr, 0, N_BLOCKS, NB)[None, :]  # `_float`'s first step
+        for kb in range(NB, N_BLOCKS, NB):
+            part += step(wrow, rmask, kb, N_BLOCKS, x_ptr, QTYPE, BM, NB)
         acc = total(part, QTYPE)
     else:
         begin(PDL)
@@ -373,29 +350,21 @@ def qmatvec(
     *,
     tile: Tile | None = None,
     pre: bool = True,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """out[M] = W[M, K] @ x[K] (+ residual[M]), W dequantized on the fly from its GGUF bytes.
 
     w: uint8 [M, row_bytes] (rows contiguous), x: float32 [K] contiguous, out/residual: float32 [M]
     (out may be residual). qtype: GGML type id in SUPPORTED. pre (F32 / F16 / BF16; the others ignore it): the
-    first K-step's weights loaded before the PDL wait (F16 tg128 +1.6% on an H100, NOTES.md 8i). norm (F32 / F16 /
-    BF16 with pre, K <= NORM_MAX_K): (w [K] f32, eps): the product is over rms_norm(x, w, eps) = x * rsqrt(mean(x^2)
-    + eps) * w, computed in the launch (x is the norm's input; nothing else is written). Returns out.
+    first K-step's weights loaded before the PDL wait (F16 tg128 +1.6% on an H100, NOTES.md 8i). Returns out.
     """
     _check(qtype)
     m, k = w.shape[0], x.shape[0]
-    if norm is not None and not (pre and qtype in FLOATS and k <= NORM_MAX_K):
-        raise ValueError(f"qmatvec norm needs an F32 / F16 / BF16 matrix with pre and K <= {NORM_MAX_K}, got GGML "
-                         f"type {qtype}, pre={pre}, K = {k}")
     t = tile or tile_for("mv", qtype, m, k, 1, w.device)
     wt = _typed(w, qtype)
-    nw, eps = norm if norm is not None else (x, 0.0)
     _qmatvec_kernel[(triton.cdiv(m, t.block_m),)](
-        wt, x, out if residual is None else residual, out, m, wt.stride(0), nw, float(eps),
+        wt, x, out if residual is None else residual, out, m, wt.stride(0),
         N_BLOCKS=k // GEOMETRY[qtype][0], QTYPE=qtype, HAS_RES=residual is not None, BM=t.block_m, NB=t.nb,
-        PRE=pre and qtype in FLOATS, NORM=norm is not None, BLOCK_K=triton.next_power_of_2(k) if norm else 1,
-        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
+        PRE=pre and qtype in FLOATS, num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w.device))
     return out
 
 
