@@ -58,6 +58,7 @@ class TritonOps:
     tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
     (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live
     splits per head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
+    attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -70,7 +71,7 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
-                 attn_long_from: int | None = None) -> None:
+                 attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -80,6 +81,7 @@ class TritonOps:
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
+        self.attn_min_split = attn_min_split
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -281,7 +283,7 @@ class TritonOps:
         table = [(1, self.attn_short)]
         if self.attn_long is not None:
             start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), self.attn_short,
-                                                                  self.attn_long)
+                                                                  self.attn_long, self.attn_min_split)
             if start is not None and start > 1:
                 table.append((start, self.attn_long))
         return table
@@ -314,7 +316,7 @@ class TritonOps:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
         block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early)
+                    block_n=block_n, num_warps=warps, early=early, min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None
