@@ -22,11 +22,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "split64": "the split attention's live splits from 64 KV positions each instead of 128 (more programs at "
-               "mid-length contexts; the long phase from 1,601 positions for OLMoE on 132 SMs)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"split64": {"attn_min_split": 64}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

@@ -183,7 +183,7 @@ def test_make_ops_names() -> None:
         make_ops("triton+fast")
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
-                 "attnmidlate", "preshort", "prelong", "normmv"):
+                 "attnmidlate", "preshort", "prelong", "normmv", "split64"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -215,21 +215,24 @@ def test_attention_phases() -> None:
 
     short = dk.ATTN_SHORT
     assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True)
-    # OLMoE (16 heads) on 132 SMs: 25 splits of 128 positions cover 3,200; 33 with the long variant
-    assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 3201
-    assert dk.attention_long_from(3200, 16, 132, short, dk.ATTN_LONG) is None  # never reached
+    # OLMoE (16 heads) on 132 SMs: 25 splits of 64 positions cover 1,600; 33 with the long variant
+    assert dk.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
+    assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 1601
+    assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG, min_split=128) == 3201  # NOTES.md 8n
+    assert dk.attention_long_from(1600, 16, 132, short, dk.ATTN_LONG) is None  # never reached
     assert dk.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
-    assert dk.attention_long_from(1 << 20, 4, 132, short, dk.ATTN_LONG) == 99 * 128 + 1
-    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)  # NOTES 8n, 8r
+    assert dk.attention_long_from(1 << 20, 4, 132, short, dk.ATTN_LONG) == 99 * 64 + 1
+    assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
+    assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
-    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 769)
-    assert t.attention_phases(512, 2, torch.device("cpu")) == (1,)
+    assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 385)
+    assert t.attention_phases(384, 2, torch.device("cpu")) == (1,)
     k, o = torch.empty(1024, 1, 64), torch.empty(2, 64)
     assert t._attn_variant(k, o, 0) == short
     t.attn_phase = 1
-    assert [t._attn_variant(k, o, w) for w in (0, 768, 769)] == [dk.ATTN_LONG, short, dk.ATTN_LONG]
+    assert [t._attn_variant(k, o, w) for w in (0, 384, 385)] == [dk.ATTN_LONG, short, dk.ATTN_LONG]
     t.attn_long_from = 5
     assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 5)
     t.attn_long_from = 1  # no short phase left: one phase

@@ -257,7 +257,9 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ----------------------------------------------------------------------------------------------------------------------
 
 ATTN_BLOCK_N = 64  # KV positions per loaded tile
-ATTN_MIN_SPLIT = 128  # the fewest KV positions a split takes while the live length leaves splits idle
+# the fewest KV positions a split takes while the live length leaves splits idle: 64 (one tile) against 128, H100
+# Q4_K_M tg128 @ d512 +7.3%, F16 +4.2%, other depths within noise (NOTES.md 8t)
+ATTN_MIN_SPLIT = 64
 NO_WINDOW = 1 << 30
 # programs per SM the split policy aims at: the split kernel's 160 registers (sm_90, OLMoE's shape, NOTES.md 7z) leave
 # room for 3 programs of 4 warps per SM (4 per SM, two waves at long contexts, measured 5% slower at depth 4096: 8a)
