@@ -22,8 +22,11 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "rounds": "the gate/up launches rank the router's logits by rounds of warp-wide max / min reductions instead of "
+              "a bitonic sort (the same experts)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {"rounds": {"topk_rounds": True}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 
 

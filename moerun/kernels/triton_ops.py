@@ -59,6 +59,8 @@ class TritonOps:
     (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live
     splits per head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
+    topk_rounds: the integer and byte gate/up launches rank the router's logits by rounds of warp-wide reductions
+    instead of a bitonic sort (`decode_ops.topk_logits` ROUNDS; the same experts and weights).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -71,7 +73,8 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
-                 attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT) -> None:
+                 attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
+                 topk_rounds: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -82,6 +85,7 @@ class TritonOps:
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
         self.attn_min_split = attn_min_split
+        self.topk_rounds = topk_rounds
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -191,7 +195,8 @@ class TritonOps:
                 and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate, late=self._routed_down(route, h_x24, ids))
+                                    counters=cnt, qtype=qtype_gate, late=self._routed_down(route, h_x24, ids),
+                                    rounds=self.topk_rounds)
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -204,7 +209,7 @@ class TritonOps:
         late = route is not None and self.byte_down_route and qtype_gate in qk.FLOATS  # a float down follows
         self._late_route = route if late else None
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
-                              route=route, late=late)
+                              route=route, late=late, rounds=self.topk_rounds)
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
