@@ -36,6 +36,7 @@ def test_launch_args() -> None:
 
 
 _COMPILE = """
+import inspect
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -92,6 +93,9 @@ else:  # the Q4_K matvec, 2 rows x 8 blocks, K = 2048
     consts = dict(QT=12, U=36, N_BLOCKS=8, R=2, NB=8, T=8, HAS_RES=False, EMU=False, PDL=pdl)
     types = {"w_ptr": "*i32", "w16_ptr": "*i16", "w8_ptr": "*i8", "xh_ptr": "*i64", "xl_ptr": "*i32", "M": "i32"}
 params = list(fn.arg_names)
+for p in fn.params:  # constexprs left out take their defaults (a kernel's newer switches, off)
+    if p.is_constexpr and p.name not in consts and p.default is not inspect.Parameter.empty:
+        consts[p.name] = p.default
 sig = {p: "constexpr" if p in consts else types.get(p, "*fp32") for p in params}
 src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(p),): v for p, v in consts.items()})
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
