@@ -411,7 +411,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     if ROPE:
         wait(PDL)  # q, k, v: this step's (a no-op where it came above)
         trigger(PDL)
-    if ROPE:
         pos = kv_len - 1
         pos64 = pos.to(tl.int64)
         cs = cs_ptr + pos64 * R
