@@ -189,16 +189,17 @@ def has_words(qtype: int, kind: str) -> bool:
     return qtype in W.KERNELS[kind]
 
 
-def candidate_tiles(case: Case) -> list[Q.Tile]:
-    """A grid around the heuristic: BLOCK_M 1..32, K-steps of 1k..8k weights, 2 warp counts."""
+def candidate_tiles(case: Case, bms: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                    steps: tuple[int, ...] = (1024, 2048, 4096, 8192)) -> list[Q.Tile]:
+    """A grid around the heuristic: BLOCK_M in bms, K-steps of `steps` weights, up to 3 warp counts."""
     bs = Q.GEOMETRY[case.qtype][0]
     n_blocks = case.k // bs
     mats = 2 if case.kind == "gate_up" else 1
     tiles = []
-    for bm in (1, 2, 4, 8, 16, 32):
+    for bm in bms:
         if bm > triton.next_power_of_2(case.m):
             continue
-        for wps in (1024, 2048, 4096, 8192):
+        for wps in steps:
             nb = max(1, wps // (bm * bs * mats))
             if nb > triton.next_power_of_2(n_blocks) or nb * bm * bs * mats != wps:
                 continue
@@ -213,6 +214,9 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated: " + ",".join(TYPES))
     ap.add_argument("--kinds", default="mv,gate_up,down,out", help="mv (2048x2048), gate_up, down, out (vocab)")
     ap.add_argument("--sweep", action="store_true", help="try a grid of tiles per case")
+    ap.add_argument("--bms", default="1,2,4,8,16,32", help="the sweep's rows per program (comma-separated)")
+    ap.add_argument("--steps", default="1024,2048,4096,8192",
+                    help="the sweep's weights per program per K-step (comma-separated)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--itiles", default="",
                     help="integer-dot tiles to time (Q4_K, Q6_K, Q8_0): RxNBxWARPSxSTAGES[xWORDS] (Q4_K's words per "
@@ -257,12 +261,16 @@ def main() -> None:
             del fns
             if args.sweep:
                 results = []
-                for tile in candidate_tiles(case):
+                grid = candidate_tiles(case, tuple(int(b) for b in args.bms.split(",")),
+                                       tuple(int(s) for s in args.steps.split(",")))
+                for tile in grid:
                     try:
                         results.append((graph_time(case.fns(tile), iters=10), tile))
                     except Exception as e:  # e.g. out of resources: report and go on
                         print(f"  {tile}: {type(e).__name__}: {str(e)[:80]}")
                 results.sort()
+                print(f"{name:5} {label:28} sweep of {len(grid)}, fastest: " + ", ".join(
+                    f"{tuple(tl_)} {ts * 1e6:.2f} us" for ts, tl_ in results[:5]), flush=True)
                 row["sweep"] = [[list(tl_), ts * 1e6] for ts, tl_ in results]
                 if results:
                     bt, btile = results[0]

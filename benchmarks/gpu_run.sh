@@ -57,6 +57,7 @@ for stage in "$@"; do
         ${KINDS:+--kinds "$KINDS"} ${AHEAD:+--ahead "$AHEAD"} 2>&1 | tee -a "$LOG" ;;  # ITILES: the integer kernels'
         # tiles only (bench_qmatvec.py --itiles); KINDS: of mv,gate_up,down,out; AHEAD: down's experts_ahead values
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep ${KINDS:+--kinds "$KINDS"} --wtiles "" \
+        ${BMS:+--bms "$BMS"} ${STEPS:+--steps "$STEPS"} \
         --json "$OUT/sweep-${stage#*:}.json" 2>&1 | tee -a "$LOG" ;;
     synth:*) t=${stage#*:}; timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" \
         -o /tmp/synth-$t.gguf --no-progress --force 2>&1 | tail -1 | tee -a "$LOG"; rm -f /tmp/synth-$t.gguf ;;
