@@ -54,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "matrices on the file's rows, no one-byte-per-value copy), triton-bytes (every type on "
                         "the byte-decoding matvecs), torch "
                         "(plain-torch twins); variants kept for same-call A/B go after '+' (features: "
-                        + features_text() + "); several, comma-separated: a same-process A/B on the one loaded "
-                        "model, each in turn per round (--rounds), then a summary table")
+                        + features_text() + "; and KIND@BMxNBxWARPS, a launch tile of the F32 / F16 / BF16 "
+                        "products, KIND mv, out, gate_up or down); several, comma-separated: a same-process A/B "
+                        "on the one loaded model, each in turn per round (--rounds), then a summary table")
     p.add_argument("--rounds", type=int, default=None,
                    help="with several --ops: how many times each runs, alternating (default 2)")
     p.add_argument("--tg-loop", choices=["stream", "step"], default="stream",

@@ -3,7 +3,9 @@
 An ops name is a base, optionally followed by features: "triton", "triton+FEATURE", "triton+FEATURE+OTHER".
 Features switch on variants that are prepared and tested but not yet measured faster, so that one device
 call can time each against the default (`moerun bench --ops A,B`). Each variant measured so far was either made
-the default or deleted; those below wait for their measurement.
+the default or deleted; those below wait for their measurement. A feature "KIND@BMxNBxWARPS" (TILE_KINDS) is a
+launch tile for the F32 / F16 / BF16 byte kernels' product KIND, to time a tile a micro-benchmark sweep found
+(`benchmarks/bench_qmatvec.py --sweep`) inside the whole step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,25 @@ FEATURES: dict[str, str] = {
 }
 FEATURE_ARGS: dict[str, dict[str, Any]] = {"rounds": {"topk_rounds": True}}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
+# "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
+# matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)
+TILE_KINDS: tuple[str, ...] = ("mv", "out", "gate_up", "down")
+
+
+def parse_tile(feature: str) -> tuple[str, tuple[int, int, int]] | None:
+    """"gate_up@2x1024x4" -> ("gate_up", (2, 1024, 4)): rows per program, blocks per K-step, warps (powers of
+    two); None where the feature has no '@'. Raises MoerunError naming what is wrong."""
+    if "@" not in feature:
+        return None
+    kind, _, spec = feature.partition("@")
+    parts = spec.split("x")
+    if kind not in TILE_KINDS or len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise MoerunError(f"bad tile feature {feature!r}: want KIND@BMxNBxWARPS with KIND one of "
+                          f"{', '.join(TILE_KINDS)}, e.g. gate_up@2x1024x4")
+    bm, nb, warps = (int(p) for p in parts)
+    if not all(v > 0 and v & (v - 1) == 0 for v in (bm, nb, warps)) or warps > 16:
+        raise MoerunError(f"bad tile feature {feature!r}: BM, NB and WARPS must be powers of two (WARPS <= 16)")
+    return kind, (bm, nb, warps)
 
 
 def features_text() -> str:
@@ -44,6 +65,8 @@ def parse_ops(name: str) -> tuple[str, tuple[str, ...]]:
         raise MoerunError(f"unknown decode ops {name!r}: the base {base!r} is not one of "
                           f"{', '.join(BASES)} (or 'torch'); features after '+': {features_text()}")
     for f in feats:
+        if parse_tile(f) is not None:
+            continue
         if f not in FEATURES:
             raise MoerunError(f"unknown decode ops feature {f!r} in {name!r}; features: {features_text()}")
         if f in INT_FEATURES and BASES[base].get("ints", True) is False:
@@ -61,5 +84,9 @@ def make_ops(name: str) -> Any:
 
     kw = dict(BASES[base])
     for f in feats:
-        kw.update(FEATURE_ARGS[f])
+        tile = parse_tile(f)
+        if tile is None:
+            kw.update(FEATURE_ARGS[f])
+        else:
+            kw.setdefault("float_tiles", {})[tile[0]] = tile[1]
     return TritonOps(**kw)

@@ -61,6 +61,9 @@ class TritonOps:
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
     topk_rounds: the integer and byte gate/up launches rank the router's logits by rounds of warp-wide reductions
     instead of a bitonic sort (`decode_ops.topk_logits` ROUNDS; the same experts and weights).
+    float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
+    products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
+    `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -74,7 +77,7 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 topk_rounds: bool = False) -> None:
+                 topk_rounds: bool = False, float_tiles: dict[str, tuple[int, int, int]] | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -86,6 +89,7 @@ class TritonOps:
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
         self.attn_min_split = attn_min_split
         self.topk_rounds = topk_rounds
+        self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -163,7 +167,8 @@ class TritonOps:
             return TorchOps.qmatvec(w, qtype, x, out, residual)
         if x_perm is not None and self.words and wk.supports(qtype, x.shape[-1], "mv", w.shape[0]):
             return wk.KERNELS["mv"][qtype](w, x_perm, out, residual)
-        return qk.qmatvec(w, qtype, x, out, residual)
+        kind = "out" if w.shape[0] >= qk.LARGE_MV_ROWS else "mv"
+        return qk.qmatvec(w, qtype, x, out, residual, tile=self._float_tile(kind, qtype))
 
     def qmatvecs(self, prods: list[tuple[torch.Tensor, int, torch.Tensor]], x: torch.Tensor,
                  x_perm: torch.Tensor | None = None, x24: ik.X24 | None = None) -> None:
@@ -209,7 +214,8 @@ class TritonOps:
         late = route is not None and self.byte_down_route and qtype_gate in qk.FLOATS  # a float down follows
         self._late_route = route if late else None
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
-                              route=route, late=late, rounds=self.topk_rounds)
+                              route=route, late=late, rounds=self.topk_rounds,
+                              tile=self._float_tile("gate_up", qtype_gate))
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,
@@ -229,7 +235,11 @@ class TritonOps:
                   and qk.experts_group(ids.shape[0], self.down_ahead) > 1)
         self._late_route = None
         return qk.moe_down(w_down, qtype, h, ids, weights, residual, out, experts_ahead=self.down_ahead,
-                           route=route if routed else None)
+                           route=route if routed else None, tile=self._float_tile("down", qtype))
+
+    def _float_tile(self, kind: str, qtype: int) -> qk.Tile | None:
+        """The `float_tiles` tile of product `kind` where qtype is F32 / F16 / BF16, else None (the default)."""
+        return self.float_tiles.get(kind) if qtype in qk.FLOATS else None
 
     def _routed_down(self, route: Route | None, h_x24: ik.X24 | None, ids: torch.Tensor) -> bool:
         """Whether the integer gate/up (routing itself, writing h_x24) and down of a layer run as `down_route`

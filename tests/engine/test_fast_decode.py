@@ -291,6 +291,36 @@ def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:
         ops.parse_ops("triton-words+x")
 
 
+def test_tile_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"KIND@BMxNBxWARPS" features: parsed (bad ones named), and each tile reaches the byte kernel of its kind for
+    float weights only (the others keep `tile_for`'s)."""
+    from moerun.errors import MoerunError
+    from moerun.kernels import ops
+    from moerun.kernels.triton import qmatvec as qk
+
+    assert ops.parse_ops("triton+gate_up@1x2048x2+rounds") == ("triton", ("gate_up@1x2048x2", "rounds"))
+    for bad in ("gate@1x2x4", "down@1x2", "down@1x3x4", "mv@0x2x4", "out@1x2x32", "mv@axbxc"):
+        with pytest.raises(MoerunError, match=f"bad tile feature '{bad}'"):
+            ops.parse_ops(f"triton+{bad}")
+    t = ops.make_ops("triton+gate_up@1x2048x2+down@4x512x8+out@4x256x1+mv@1x1024x2+down@2x256x4")
+    assert t.float_tiles == {"gate_up": qk.Tile(1, 2048, 2), "down": qk.Tile(2, 256, 4), "out": qk.Tile(4, 256, 1),
+                             "mv": qk.Tile(1, 1024, 2)}
+    seen: list[tuple[str, qk.Tile | None]] = []
+    for fn in ("qmatvec", "moe_gate_up", "moe_down"):
+        monkeypatch.setattr(qk, fn, lambda *a, tile=None, _fn=fn, **k: seen.append((_fn, tile)))
+    f16, q8 = 1, 8
+    w = torch.zeros(qk.LARGE_MV_ROWS, 4)
+    t.qmatvec(w, f16, torch.zeros(2), None)
+    t.qmatvec(w[:8], f16, torch.zeros(2), None)
+    t.qmatvec(w[:8], q8, torch.zeros(2), None)
+    ids = torch.zeros(2, dtype=torch.int32)
+    t.moe_gate_up(w, w, f16, f16, torch.zeros(2), ids, None)
+    t.moe_down(w, f16, w, ids, None, None, None)
+    t.moe_down(w, q8, w, ids, None, None, None)
+    assert seen == [("qmatvec", qk.Tile(4, 256, 1)), ("qmatvec", qk.Tile(1, 1024, 2)), ("qmatvec", None),
+                    ("moe_gate_up", qk.Tile(1, 2048, 2)), ("moe_down", qk.Tile(2, 256, 4)), ("moe_down", None)]
+
+
 def test_qkv_fused_without_a_second_copy(model_file) -> None:
     """q/k/v of one type are multiplied as one matrix whose rows the layer's QTensors view (no extra memory)."""
     path, _ = model_file
