@@ -61,6 +61,7 @@ class TritonOps:
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
     topk_rounds: the integer and byte gate/up launches rank the router's logits by rounds of warp-wide reductions
     instead of a bitonic sort (`decode_ops.topk_logits` ROUNDS; the same experts and weights).
+    kv_head_major: the engine stores its KV cache head-major for this step (`KVCache` head_major; `Engine.set_ops`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
@@ -77,7 +78,8 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 topk_rounds: bool = False, float_tiles: dict[str, tuple[int, int, int]] | None = None) -> None:
+                 topk_rounds: bool = False, float_tiles: dict[str, tuple[int, int, int]] | None = None,
+                 kv_head_major: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -90,6 +92,7 @@ class TritonOps:
         self.attn_min_split = attn_min_split
         self.topk_rounds = topk_rounds
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
+        self.kv_head_major = kv_head_major
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
