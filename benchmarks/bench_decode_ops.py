@@ -44,18 +44,10 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
                     block_n: int = ops.ATTN_BLOCK_N, num_warps: int = 4,
                     programs_per_sm: int = ops.ATTN_PROGRAMS_PER_SM, tag: str = "",
-                    min_split: int = ops.ATTN_MIN_SPLIT, head_major: bool = False) -> None:
-    """head_major: each cache stored [HKV, N_CTX, D] (a head's rows contiguous) and passed as the [N_CTX, HKV, D]
-    view the kernel takes (strides), instead of the engine's position-major [N_CTX, HKV, D]."""
+                    min_split: int = ops.ATTN_MIN_SPLIT) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-
-    def cache() -> torch.Tensor:
-        if head_major:
-            return torch.randn(HKV, N_CTX, D, device="cuda", generator=g).to(dtype).transpose(0, 1)
-        return torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype)
-
-    ks = [cache() for _ in range(LAYERS)]
-    vs = [cache() for _ in range(LAYERS)]
+    ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
+    vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     q = torch.randn(H, D, device="cuda", generator=g)
     out = torch.empty(H, D, device="cuda")
     n_splits = ops.attention_splits(N_CTX, H, sm, block_n, programs_per_sm)
@@ -143,10 +135,6 @@ def main() -> None:
         bench_attention(dtype, [1, 17, 128, 512, 4095, 4096], sm, bw, rows)
     # 4 programs per SM (33 splits at OLMoE's shape): faster here at 4,096, 5% slower in the step (NOTES.md 8a)
     bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" pps=4", programs_per_sm=4)
-    # the caches head-major (a tile one contiguous block instead of BLOCK_N rows 4 KB apart)
-    bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" head-major", head_major=True)
-    bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" pps=4 head-major", programs_per_sm=4,
-                    head_major=True)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

@@ -148,8 +148,6 @@ class Engine:
                 torch.cuda.empty_cache()
         if kernels.name != "torch":
             warn_if_untuned(self.device)
-        if self.cache.set_layout(getattr(kernels, "kv_head_major", False)) and getattr(self, "prefiller", None):
-            self.prefiller.drop_graphs()  # its graphs wrote the old cache tensors
         self.fast = FastDecoder(self.spec, self.cfg, self.weights, self.cache, kernels, use_graph=self._graph)
         self.fast.sampler = self.sampler
         self.ops_name = ops

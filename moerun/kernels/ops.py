@@ -24,13 +24,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "rounds": "the gate/up launches rank the router's logits by rounds of warp-wide max / min reductions instead of "
-              "a bitonic sort (the same experts)",
-    "kvhead": "the KV cache stored head-major (a tile of the attention one contiguous block; the engine's cache "
-              "is allocated afresh)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"rounds": {"topk_rounds": True}, "kvhead": {"kv_head_major": True}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
 # matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)

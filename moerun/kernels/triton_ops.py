@@ -59,9 +59,6 @@ class TritonOps:
     (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live
     splits per head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
-    topk_rounds: the integer and byte gate/up launches rank the router's logits by rounds of warp-wide reductions
-    instead of a bitonic sort (`decode_ops.topk_logits` ROUNDS; the same experts and weights).
-    kv_head_major: the engine stores its KV cache head-major for this step (`KVCache` head_major; `Engine.set_ops`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
@@ -78,8 +75,7 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 topk_rounds: bool = False, float_tiles: dict[str, tuple[int, int, int]] | None = None,
-                 kv_head_major: bool = False) -> None:
+                 float_tiles: dict[str, tuple[int, int, int]] | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -90,9 +86,7 @@ class TritonOps:
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
         self.attn_min_split = attn_min_split
-        self.topk_rounds = topk_rounds
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
-        self.kv_head_major = kv_head_major
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -203,8 +197,7 @@ class TritonOps:
                 and self.ints_take(qtype_up, "gate_up", w_up, k)):
             cnt = None if h_x24 is None else self._counters(ids.shape[0] * out.shape[-1] // 32, out.device)
             return ik.moe_gate_up_i(w_gate, w_up, x24, ids, out, act, perm_out=perm_out, route=route, h_out=h_x24,
-                                    counters=cnt, qtype=qtype_gate, late=self._routed_down(route, h_x24, ids),
-                                    rounds=self.topk_rounds)
+                                    counters=cnt, qtype=qtype_gate, late=self._routed_down(route, h_x24, ids))
         if h_x24 is not None:
             raise ValueError("h_x24 (h quantized for an integer-dot down) needs the integer gate/up kernel")
         if x_perm is not None and qtype_gate == qtype_up and self.perm(qtype_gate, k, "gate_up"):
@@ -217,7 +210,7 @@ class TritonOps:
         late = route is not None and self.byte_down_route and qtype_gate in qk.FLOATS  # a float down follows
         self._late_route = route if late else None
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
-                              route=route, late=late, rounds=self.topk_rounds,
+                              route=route, late=late,
                               tile=self._float_tile("gate_up", qtype_gate))
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,

@@ -183,7 +183,7 @@ def test_make_ops_names() -> None:
         make_ops("triton+fast")
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
-                 "attnmidlate", "preshort", "prelong", "normmv", "split64"):
+                 "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -291,25 +291,6 @@ def test_ops_features(monkeypatch: pytest.MonkeyPatch) -> None:
         ops.parse_ops("triton-words+x")
 
 
-def test_head_major_cache(model_file) -> None:
-    """A head-major KV cache (`KVCache.set_layout`, the `kvhead` feature's) gives the reference forward's logits (to
-    rounding: torch's products over the strided cache may sum in another order), and `Engine.set_ops` switches the
-    layout with the ops (allocated afresh only when it changes)."""
-    path, tokens = model_file
-    eng = Engine(path, device=TEST_DEVICE, dtype="float32", kv_dtype="float32", fast=False)
-    want = eng.forward(tokens[:7])
-    eng.reset()
-    assert eng.cache.set_layout(True) and not eng.cache.set_layout(True)
-    k = eng.cache.k[0]
-    assert k.shape == (eng.n_ctx, eng.cfg.n_head_kv, eng.cfg.head_dim) and k.transpose(0, 1).is_contiguous()
-    assert eng.cache.nbytes == 2 * eng.cfg.n_layer * eng.n_ctx * eng.cfg.n_head_kv * eng.cfg.head_dim * 4
-    assert rel_err(eng.forward(tokens[:4]), want[:4]) < 1e-5 and rel_err(eng.forward(tokens[4:7]), want[4:]) < 1e-5
-    eng.set_ops("torch")
-    assert not eng.cache.head_major and eng.cache.k[0].is_contiguous()
-    eng.set_ops("triton+kvhead")
-    assert eng.cache.head_major and eng.fast.ops.kv_head_major
-
-
 def test_tile_features(monkeypatch: pytest.MonkeyPatch) -> None:
     """"KIND@BMxNBxWARPS" features: parsed (bad ones named), and each tile reaches the byte kernel of its kind for
     float weights only (the others keep `tile_for`'s)."""
@@ -317,7 +298,8 @@ def test_tile_features(monkeypatch: pytest.MonkeyPatch) -> None:
     from moerun.kernels import ops
     from moerun.kernels.triton import qmatvec as qk
 
-    assert ops.parse_ops("triton+gate_up@1x2048x2+rounds") == ("triton", ("gate_up@1x2048x2", "rounds"))
+    assert ops.parse_ops("triton-bytes+gate_up@1x2048x2+out@4x256x1+gate_up@1x2048x2") == (
+        "triton-bytes", ("gate_up@1x2048x2", "out@4x256x1"))
     for bad in ("gate@1x2x4", "down@1x2", "down@1x3x4", "mv@0x2x4", "out@1x2x32", "mv@axbxc"):
         with pytest.raises(MoerunError, match=f"bad tile feature '{bad}'"):
             ops.parse_ops(f"triton+{bad}")

@@ -85,18 +85,6 @@ def test_chunks_and_continuation_match_one_pass(case) -> None:
     assert rel_err(last[0], ref[-1]) < 1e-4
 
 
-def test_head_major_cache(tmp_path) -> None:
-    """A head-major KV cache (`KVCache.set_layout`): the fast prefill's rows stored through the strided view, its
-    continuation read back through it, the reference logits (a GQA model)."""
-    model, path, seed = tiny_gguf("qwen3", "f32", tmp_path)
-    tokens = tiny_tokens(model, seed, N_TOKENS)
-    ref = Engine(path, fast=False, prefill="reference", **KW).forward(tokens)
-    eng = Engine(path, fast=False, prefill="fast", prefill_dtype="float32", **KW)
-    assert eng.cache.set_layout(True)
-    eng.forward(tokens[:13])
-    assert rel_err(eng.forward(tokens[13:]), ref[13:]) < 1e-4
-
-
 def test_bad_prefill_options(case) -> None:
     path = case[0]
     with pytest.raises(MoerunError, match="prefill path"):

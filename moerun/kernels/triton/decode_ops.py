@@ -650,18 +650,14 @@ ROUTE_MAX_E = 256  # most experts `topk_logits` ranks inside a gate/up launch
 
 
 @triton.jit
-def topk_logits(logits_ptr, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr = False,
-                ROUNDS: tl.constexpr = 0):
+def topk_logits(logits_ptr, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr = False):
     """Device helper: the BLOCK_K largest of the logits [E] f32 at logits_ptr, descending, ties to the lower index
     -> (ids [BLOCK_K] int32, their logits [BLOCK_K] f32, all the logits x [BLOCK_E] f32, -inf on lanes >= E).
 
     Softmax keeps the order, so the first K are `softmax_topk`'s choice. One bitonic `tl.topk` over int64 keys:
     the logit's bits made order-preserving as a signed int (high word) over BLOCK_E - 1 - e (low word, the tie
     rule). Two logits that differ but round to the same probability keep their logit order here (softmax_topk:
-    the lower index first; their weights are equal either way). CG: the logits loaded past L1 (`.cg`).
-    ROUNDS > 0: only the first ROUNDS entries (the rest 0), found by ROUNDS rounds of (the largest key, the lowest
-    index holding it) over the same int32 keys: the same choice, two warp-wide 32-bit reductions a round (sm_90
-    `REDUX`: 164 instructions for 8 of 64 experts in one warp, against the bitonic sort's 302 with 50 shuffles)."""
+    the lower index first; their weights are equal either way). CG: the logits loaded past L1 (`.cg`)."""
     e = tl.arange(0, BLOCK_E)
     if CG:
         x = tl.load(logits_ptr + e, mask=e < E, other=-float("inf"), cache_modifier=".cg")
@@ -670,21 +666,9 @@ def topk_logits(logits_ptr, E, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CG:
     x = x + 0.0  # -0.0 -> +0.0: equal keys for equal values
     b = x.to(tl.int32, bitcast=True)
     o = tl.where(b < 0, b ^ 0x7FFFFFFF, b)  # negative floats reversed: signed int order = float order
-    if ROUNDS > 0:
-        kk = tl.arange(0, BLOCK_K)
-        ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-        ot = tl.zeros([BLOCK_K], dtype=tl.int32)
-        avail = e < E
-        for j in tl.static_range(ROUNDS):
-            m = tl.max(tl.where(avail, o, -2147483648), 0)
-            idx = tl.min(tl.where(avail & (o == m), e, BLOCK_E), 0)
-            ids = tl.where(kk == j, idx, ids)
-            ot = tl.where(kk == j, m, ot)
-            avail = avail & (e != idx)
-    else:
-        top = tl.topk((o.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64), BLOCK_K)  # [BLOCK_K] descending
-        ids = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-        ot = (top >> 32).to(tl.int32)
+    top = tl.topk((o.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64), BLOCK_K)  # [BLOCK_K] descending
+    ids = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    ot = (top >> 32).to(tl.int32)
     xt = tl.where(ot < 0, ot ^ 0x7FFFFFFF, ot).to(tl.float32, bitcast=True)
     return ids, xt, x
 
@@ -707,14 +691,13 @@ def store_topk(ids, xt, x, E, w_out_ptr, id_out_ptr, K: tl.constexpr, RENORM: tl
 
 @triton.jit
 def expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr,
-              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_ROUNDS: tl.constexpr = False):
+              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """The expert of this gate/up program's selection slot (program_id(1)), int64: ids[slot]; or with ROUTE
-    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `topk_logits`; with
-    TOPK_ROUNDS its N_SEL rounds), and then program (0, 0) also stores the N_SEL chosen ids and weights into ids /
-    wts for the down product."""
+    the slot-th best expert of the router logits [E] at route_ptr (top-k of the softmax, `topk_logits`), and then
+    program (0, 0) also stores the N_SEL chosen ids and weights into ids / wts for the down product."""
     sel = tl.program_id(1)
     if ROUTE:
-        ids, xt, x = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K, False, N_SEL if TOPK_ROUNDS else 0)
+        ids, xt, x = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K)
         if (sel == 0) & (tl.program_id(0) == 0):
             store_topk(ids, xt, x, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_E, BLOCK_K)
         eid = tl.sum(tl.where(tl.arange(0, BLOCK_K) == sel, ids, 0), 0)
@@ -723,9 +706,8 @@ def expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE: tl.constexpr, N_SEL: tl.con
     return eid.to(tl.int64)
 
 
-def route_args(route: Route | None, ids: torch.Tensor, rounds: bool = False) -> tuple[tuple, dict]:
-    """The routing arguments of the gate/up kernels: (route_ptr, wts_ptr, E) and their constexprs (rounds: the
-    top-k by `topk_logits`' rounds; the integer and byte gate/up kernels only, TOPK_ROUNDS)."""
+def route_args(route: Route | None, ids: torch.Tensor) -> tuple[tuple, dict]:
+    """The routing arguments of the gate/up kernels: (route_ptr, wts_ptr, E) and their constexprs."""
     if route is None:
         return (ids, ids, 1), dict(ROUTE=False, N_SEL=ids.shape[0], RENORM=False, BLOCK_E=1, BLOCK_K=1)
     e = route.logits.shape[-1]
@@ -733,7 +715,7 @@ def route_args(route: Route | None, ids: torch.Tensor, rounds: bool = False) -> 
         raise ValueError(f"gate/up routes at most {ROUTE_MAX_E} experts itself, got {e}: route_topk first")
     return ((route.logits, route.weights_out, e),
             dict(ROUTE=True, N_SEL=ids.shape[0], RENORM=bool(route.renormalise), BLOCK_E=_np2(e),
-                 BLOCK_K=_np2(ids.shape[0]), **({"TOPK_ROUNDS": True} if rounds else {})))
+                 BLOCK_K=_np2(ids.shape[0])))
 
 
 @triton.jit

@@ -510,14 +510,13 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
                      NB: tl.constexpr, T: tl.constexpr, ACT: tl.constexpr, PERM_OUT: tl.constexpr,
                      ROUTE: tl.constexpr, N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                      BLOCK_K: tl.constexpr, H24: tl.constexpr, EMU: tl.constexpr, PDL: tl.constexpr = False,
-                     LATE: tl.constexpr = False, TOPK_ROUNDS: tl.constexpr = False):
+                     LATE: tl.constexpr = False):
     """Grid (cdiv(F, R), n_sel). wg/wu: int32 [E, F, U N_BLOCKS] in layout QT (and their int16 / int8 views;
     strides in words); x24 of [K]; ids: [n_sel] (chosen here from the router's logits with ROUTE, as wmatvec's
     `expert_id`); out: f32 [n_sel, F] (rows permuted with PERM_OUT: the input of a word-kernel down product).
     H24: h also quantized into the X24 at hh/hl/hs/hsum_ptr (an integer-dot down's input; `_quantize_h_group`,
     counters cnt [n_sel F / 32] int32 zeros, left zero). LATE: the next kernel may launch only after this one's
-    wait (so the router's logits are final before it starts: a routed down, `_idown_kernel` ROUTE). TOPK_ROUNDS:
-    `expert_id`'s."""
+    wait (so the router's logits are final before it starts: a routed down, `_idown_kernel` ROUTE)."""
     if LATE:
         wait(PDL)
         trigger(PDL)
@@ -526,7 +525,7 @@ def _igate_up_kernel(wg_ptr, wg16_ptr, wg8_ptr, wu_ptr, wu16_ptr, wu8_ptr, xh_pt
     SW: tl.constexpr = U * N_BLOCKS
     sel = tl.program_id(1)
     row0 = tl.program_id(0) * R
-    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K, TOPK_ROUNDS)
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     gs = eid * stride_ge + row0.to(tl.int64) * SW
     us = eid * stride_ue + row0.to(tl.int64) * SW
     wg, wg16, wg8 = wg_ptr + gs, wg16_ptr + 2 * gs, wg8_ptr + 4 * gs
@@ -806,14 +805,12 @@ def qmatvec_i2(w: torch.Tensor, qtype: int, out: torch.Tensor, w2: torch.Tensor,
 def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.Tensor, out: torch.Tensor,
                   act: str = "silu", *, perm_out: bool = False, tile: WTile | None = None,
                   route: Route | None = None, h_out: X24 | None = None, counters: torch.Tensor | None = None,
-                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD, late: bool = False,
-                  rounds: bool = False) -> torch.Tensor:
+                  qtype: int = Q4_K, words: int = WORDS_PER_THREAD, late: bool = False) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x). w_*: uint8 [E, F, row_bytes], Q4_K or (qtype Q6_K / Q8_0)
     their `COPIES` copy; x: X24 of [K]; ids: int32 [n_sel] (with `route` an output, as wmatvec.moe_gate_up_w); out:
     f32 [n_sel, F], rows in natural order, or in permute_k4 order with perm_out (F % 256 == 0). h_out: also out
     quantized (X24 of [n_sel, F], the input of `moe_down_i`; needs counters: int32 zeros [>= n_sel F / 32], left
-    zero). late: with PDL, the next launch may start only after this one's wait (before a `moe_down_i` with route).
-    rounds: with route, the top-k by `decode_ops.topk_logits`' rounds (the same experts and weights)."""
+    zero). late: with PDL, the next launch may start only after this one's wait (before a `moe_down_i` with route)."""
     f, k, n_sel = w_gate.shape[1], x.hi.shape[-1], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
@@ -828,7 +825,7 @@ def moe_gate_up_i(w_gate: torch.Tensor, w_up: torch.Tensor, x: X24, ids: torch.T
         hargs = (*h_out, counters)  # stored as int16 / uint8 values
     else:
         hargs = (out,) * 5
-    rargs, rconst = route_args(route, ids, rounds)
+    rargs, rconst = route_args(route, ids)
     _igate_up_kernel[(triton.cdiv(f, t.rows), n_sel)](
         *gv, *uv, *_xviews(x, k), ids, *rargs, out, f, gv[0].stride(0), uv[0].stride(0), out.stride(0), *hargs,
         QT=qt, U=units, N_BLOCKS=k // 256, R=t.rows, NB=t.nb, T=words, ACT=ACTIVATIONS[act], PERM_OUT=perm_out,

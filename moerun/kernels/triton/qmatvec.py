@@ -180,7 +180,7 @@ def _moe_gate_up_kernel(
     stride_out, NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
     BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
     N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False, LATE: tl.constexpr = False, TOPK_ROUNDS: tl.constexpr = False,
+    PDL: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int (written with ROUTE:
     `decode_ops.expert_id`), out: [n_sel, F] (rows in natural order, or with PERM_OUT in the word kernels' order,
@@ -194,7 +194,7 @@ def _moe_gate_up_kernel(
     sel = tl.program_id(1)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < F
-    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K, TOPK_ROUNDS)
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     r64 = rows.to(tl.int64)
     wg = wg_ptr + eid * stride_ge + r64 * stride_gm
     wu = wu_ptr + eid * stride_ue + r64 * stride_um
@@ -382,7 +382,6 @@ def moe_gate_up(
     tile: Tile | None = None,
     route: Route | None = None,
     late: bool = False,
-    rounds: bool = False,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
@@ -390,8 +389,7 @@ def moe_gate_up(
     the kernel; with `route` written by it: each program ranks the router's logits itself and program (0, 0) stores
     the chosen ids and route.weights_out, as `route_topk` would); out: float32 [n_sel, F] (rows contiguous; with
     perm_out each row in the word kernels' order, F % 256 == 0). act: "silu" | "gelu_tanh". late: the next launch
-    starts only after this one's PDL wait (before a `moe_down` with `route`). rounds: with route, the top-k by
-    `decode_ops.topk_logits`' rounds (the same experts and weights). Returns out.
+    starts only after this one's PDL wait (before a `moe_down` with `route`). Returns out.
     """
     _check(qtype_gate)
     _check(qtype_up)
@@ -401,7 +399,7 @@ def moe_gate_up(
     t = tile or tile_for("gate_up", qtype_gate, f, k, n_sel, w_gate.device)
     nb_u = t.nb * GEOMETRY[qtype_gate][0] // GEOMETRY[qtype_up][0] if qtype_up != qtype_gate else t.nb
     wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
-    rargs, rconst = route_args(route, ids, rounds)
+    rargs, rconst = route_args(route, ids)
     _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
         wg, wu, x, ids, *rargs, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
         NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
