@@ -24,6 +24,7 @@ from support.kernel_checks import check_bound, quant_weights, vec  # noqa: E402
 from moerun.kernels.reference import ACTIVATIONS  # noqa: E402
 from moerun.kernels.triton import imatvec as ik  # noqa: E402
 from moerun.kernels.triton import wmatvec as wk  # noqa: E402
+from moerun.kernels.triton.decode_ops import route_topk  # noqa: E402
 
 Q8_0, Q4_K, Q6_K = int(T.Q8_0), int(T.Q4_K), int(T.Q6_K)
 
@@ -170,7 +171,8 @@ def test_moe_gate_up_i(qtype, tile, words, device, rng) -> None:
 @pytest.mark.parametrize("tile", [None, wk.WTile(2, 1, 1, 1)], ids=str)
 def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
     """h_out: the launch also quantizes h for the integer down (each 32-value group by the last of its programs to
-    finish, counters left zero); routed, so the ids come from the same launch. Twice, so the counters' reset shows."""
+    finish, counters left zero); routed, so the ids come from the same launch (the same ids, weights and h as
+    route_topk's choice followed by the plain launch). Twice, so the counters' reset shows."""
     gen, _ = rng
     e, f, k, n_sel = 5, 64, 256, 2
     wg, _ = quant_weights(Q4_K, (e, f), k, gen, device)
@@ -182,8 +184,14 @@ def test_moe_gate_up_i_quantizes_h(tile, device, rng) -> None:
         ids = torch.full((n_sel,), -1, dtype=torch.int32, device=device)
         out = torch.full((n_sel, f), float("nan"), device=device)
         h24 = ik.X24.empty((n_sel, f), device)
-        route = wk.Route(logits, torch.empty(n_sel, device=device), True)
+        route = wk.Route(logits, torch.full((n_sel,), float("nan"), device=device), True)
         ik.moe_gate_up_i(wg, wu, xq, ids, out, route=route, h_out=h24, counters=cnt, tile=tile)
+        want_w, want_ids = torch.empty(n_sel, device=device), torch.empty(n_sel, dtype=torch.int32, device=device)
+        route_topk(logits, n_sel, True, want_w, want_ids)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(route.weights_out, want_w, rtol=2e-7, atol=0)
+        plain = ik.moe_gate_up_i(wg, wu, xq, want_ids, torch.empty(n_sel, f, device=device), tile=tile)
+        assert torch.equal(out, plain)
         want = ik.quantize_x24_ref(out.cpu())
         got_q = h24.hi.cpu().int() * 256 + h24.lo.cpu().int()
         assert (got_q - (want.hi.int() * 256 + want.lo.int())).abs().max() <= 1

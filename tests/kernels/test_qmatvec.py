@@ -89,7 +89,8 @@ def test_qmatvec_pre(qtype, m, n_sb, small, device, rng) -> None:
     _check(got, ref, bound, seed, f"pre {qtype.name} M={m} K={k} tile={tile}")
 
 
-@pytest.mark.parametrize("e,n_sel,renorm,ties", [(6, 3, False, True), (64, 8, True, False), (37, 2, True, True)])
+@pytest.mark.parametrize("e,n_sel,renorm,ties", [(6, 3, False, True), (64, 8, True, False), (37, 2, True, True),
+                                                 (128, 8, False, True)])
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q5_K], ids=lambda t: t.name)
 def test_moe_gate_up_routes(qtype, e, n_sel, renorm, ties, device, rng) -> None:
     """With `route` the byte gate/up launch chooses the experts itself: ids (poisoned before), weights
