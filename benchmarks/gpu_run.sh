@@ -15,6 +15,7 @@
 #   the file kept for the next call; rm:TYPE deletes it),
 #   ab1:TYPE:OPS,OPS,... (the same in one process: `moerun bench --ops A,B --rounds $ROUNDS`, the summary table;
 #   with AB1_TREE=NAME (export:AB1_TREE=old) the package in abtree/NAME runs it, e.g. an older commit's features),
+#   sweepab:TYPE:KIND[:N] (sweep:TYPE of one KIND, then ab1 of the default and its N fastest other tiles),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -59,6 +60,13 @@ for stage in "$@"; do
     sweep:*) timeout 420 python3 benchmarks/bench_qmatvec.py --types "${stage#*:}" --sweep ${KINDS:+--kinds "$KINDS"} --wtiles "" \
         ${BMS:+--bms "$BMS"} ${STEPS:+--steps "$STEPS"} \
         --json "$OUT/sweep-${stage#*:}.json" 2>&1 | tee -a "$LOG" ;;
+    sweepab:*)  # sweepab:TYPE:KIND[:N]: sweep the F32 / F16 / BF16 byte kernels' KIND tiles (BMS / STEPS narrow it),
+      # then time the default and the N (3) fastest other tiles in the whole step (ab1: DEPTHS, ROUNDS; the file stays)
+      spec=${stage#*:}; t=${spec%%:*}; rest=${spec#*:}; kind=${rest%%:*}; n=${rest#*:}; [ "$n" = "$rest" ] && n=3
+      timeout 420 python3 benchmarks/bench_qmatvec.py --types "$t" --sweep --kinds "$kind" --wtiles "" \
+        ${BMS:+--bms "$BMS"} ${STEPS:+--steps "$STEPS"} --json "$OUT/sweep-$t-$kind.json" 2>&1 | tee -a "$LOG"
+      ops=$(python3 benchmarks/sweep_ops.py "$OUT/sweep-$t-$kind.json" --kind "$kind" --top "$n" 2>&1) \
+        && OUT=$OUT bash "$0" "ab1:$t:$ops" | grep -v "^===" || echo "$ops" | tee -a "$LOG" ;;
     synth:*) t=${stage#*:}; timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" \
         -o /tmp/synth-$t.gguf --no-progress --force 2>&1 | tail -1 | tee -a "$LOG"; rm -f /tmp/synth-$t.gguf ;;
     qgemm) timeout 300 python3 benchmarks/bench_qgemm.py ${QGEMM_ARGS:-} 2>&1 | tee -a "$LOG" ;;

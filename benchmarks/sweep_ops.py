@@ -1,0 +1,54 @@
+"""A `bench_qmatvec.py --sweep` JSON's fastest tiles as `moerun bench --ops` variants, so a micro-benchmark's
+winners are timed in the whole decode step (gpu_run.sh `sweepab:TYPE:KIND`).
+
+    python benchmarks/sweep_ops.py sweep.json --kind out --top 3
+    -> triton,triton+out@8x256x4,triton+out@4x512x4,triton+out@16x128x4
+
+Prints `triton` (the default tiles) first, then `triton+KIND@BMxNBxWARPS` for the `top` fastest tiles of the
+sweep's KIND case that differ from the default. KIND is a TILE_KINDS name (mv, out, gate_up, down): "out" is the
+output-matrix case (the sweep names its kind "mv"), "mv" the 2048x2048 attention case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# TILE_KINDS name -> the sweep row's case label prefix (bench_qmatvec.py's `shapes`)
+CASES = {"mv": "attn ", "out": "output ", "gate_up": "experts gate+up", "down": "experts down"}
+
+
+def ops_from_sweep(rows: list[dict], kind: str, top: int) -> list[str]:
+    """['triton', 'triton+KIND@BMxNBxWARPS', ...] from the sweep row of case `kind`: its `top` fastest tiles
+    other than the default (the row's `tile`)."""
+    if kind not in CASES:
+        raise ValueError(f"kind {kind!r}: one of {', '.join(CASES)}")
+    picked = [r for r in rows if r["case"].startswith(CASES[kind]) and r.get("sweep")]
+    if not picked:
+        cases = sorted({r["case"] for r in rows})
+        raise ValueError(f"no swept {kind!r} case in the JSON (cases: {', '.join(cases) or 'none'})")
+    row = picked[0]
+    default = list(row["tile"][:3])
+    tiles = [t[:3] for t, _us in sorted(row["sweep"], key=lambda e: e[1]) if list(t[:3]) != default]
+    return ["triton"] + [f"triton+{kind}@{bm}x{nb}x{w}" for bm, nb, w in tiles[:top]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", type=Path, help="bench_qmatvec.py --sweep --json output")
+    ap.add_argument("--kind", required=True, choices=sorted(CASES))
+    ap.add_argument("--top", type=int, default=3, help="how many of the fastest non-default tiles")
+    args = ap.parse_args(argv)
+    try:
+        rows = json.loads(args.json.read_text())["rows"]
+        print(",".join(ops_from_sweep(rows, args.kind, args.top)))
+    except (OSError, KeyError, ValueError) as e:
+        print(f"sweep_ops: {args.json}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
