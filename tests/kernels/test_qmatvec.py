@@ -115,6 +115,73 @@ def test_moe_gate_up_routes(qtype, e, n_sel, renorm, ties, device, rng) -> None:
     assert torch.equal(got, want), msg
 
 
+@pytest.mark.parametrize("qtype,e,n_sel,renorm,per_sm,prefetch", [
+    (T.F16, 64, 8, True, 1, False), (T.BF16, 37, 3, False, 2, False), (T.F32, 6, 2, True, 3, False),
+    (T.Q5_K, 9, 3, False, 1, False), (T.F16, 64, 8, False, 2, True), (T.BF16, 6, 2, True, 1, True),
+    (T.F32, 37, 3, True, 3, True)])
+@pytest.mark.parametrize("routed", [True, False], ids=["route", "ids"])
+def test_moe_gate_up_persistent(qtype, e, n_sel, renorm, per_sm, routed, prefetch, device, rng) -> None:
+    """persist: a grid of at most per_sm programs per SM looping over (slot, row block) items gives the plain launch's
+    h (bit for bit in the interpreter; within the float64 bound on a GPU, whose compiled loop may differ) and, routed,
+    its ids and weights; several items per program, a masked last row block (F = 37 rows in blocks of 4). prefetch
+    (float types): the next item's weights loaded ahead, a whole row a K-step (the plain launch on the same tile)."""
+    gen, seed = rng
+    f, k = 37, 2 * SB
+    wg, dg = _weights(qtype, (e, f), k, gen, device)
+    wu, du = _weights(qtype, (e, f), k, gen, device)
+    x = _vec(gen, k)
+    logits = router_logits(gen, e, n_sel, True).to(device)
+    tile = Tile(4, 2 * SB // GEOMETRY[qtype][0] // (1 if prefetch else 2), 4)
+    runs = []
+    for persist in (0, per_sm):
+        w = torch.full((n_sel,), float("nan"), device=device)
+        ids = torch.full((n_sel,), -1, device=device, dtype=torch.int32)
+        if not routed:
+            route_topk(logits, n_sel, renorm, w, ids)
+        out = torch.full((n_sel, f), float("nan"), device=device)
+        moe_gate_up(wg, wu, int(qtype), int(qtype), x.to(device), ids, out, tile=tile, persist=persist,
+                    route=Route(logits, w, renorm) if routed else None, prefetch=prefetch and persist > 0)
+        runs.append((out, ids, w))
+    (want, want_ids, want_w), (got, got_ids, got_w) = runs
+    msg = f"seed={seed} {qtype.name} E={e} n_sel={n_sel} per_sm={per_sm} routed={routed}"
+    assert torch.equal(got_ids, want_ids), msg
+    assert torch.equal(got_w, want_w), msg
+    if device.type == "cpu":
+        assert torch.equal(got, want), msg
+    sel = want_ids.long().cpu()
+    g, u = dg[sel] @ x.double(), du[sel] @ x.double()
+    bound = 1.2 * (dg[sel].abs() @ x.double().abs()) * u.abs() + ACTIVATIONS["silu"](g).abs() * (
+        du[sel].abs() @ x.double().abs())
+    _check(got, ACTIVATIONS["silu"](g) * u, bound, seed, msg)
+
+
+def test_moe_gate_up_prefetch_refusals(device, rng) -> None:
+    gen, _ = rng
+    wq, _ = _weights(T.Q8_0, (3, 8), SB, gen, device)
+    wf, _ = _weights(T.F16, (3, 8), 2 * SB, gen, device)
+    ids = torch.tensor([0, 2], device=device)
+    with pytest.raises(ValueError, match="prefetch needs persist > 0"):
+        moe_gate_up(wf, wf, int(T.F16), int(T.F16), _vec(gen, 2 * SB).to(device), ids, torch.empty(2, 8), prefetch=True)
+    with pytest.raises(ValueError, match="prefetch needs persist > 0.*types 8 / 8"):
+        moe_gate_up(wq, wq, int(T.Q8_0), int(T.Q8_0), _vec(gen, SB).to(device), ids, torch.empty(2, 8), persist=1,
+                    prefetch=True)
+    with pytest.raises(ValueError, match="K = 512"):
+        moe_gate_up(wf, wf, int(T.F16), int(T.F16), _vec(gen, 2 * SB).to(device), ids, torch.empty(2, 8), persist=1,
+                    prefetch=True, tile=Tile(4, 256, 4))
+
+
+def test_persistent_grid(device) -> None:
+    from moerun.kernels.gpu import sm_count
+    from moerun.kernels.triton.qmatvec import persistent_grid
+
+    slots = 8 * sm_count(device)
+    for items in (1, slots - 1, slots, slots + 1, 4 * slots + 3, 4096):
+        p = persistent_grid(items, 8, device)
+        per = -(-items // p)
+        assert p <= max(slots, 1) and per == -(-items // slots), (items, p)  # as few items per program as can be
+        assert -(-items // per) == p  # and no program without an item
+
+
 @pytest.mark.parametrize(
     "qg,qu", [(q, q) for q in TYPES] + [(T.Q4_K, T.Q8_0), (T.Q6_K, T.F16)], ids=lambda t: t.name
 )
