@@ -29,9 +29,6 @@ class GPU:
     capability: tuple[int, int]
     sm_count: int
     l2_bytes: int
-    regs_per_sm: int = 65536
-    threads_per_sm: int = 2048
-    smem_per_sm: int = 233472
 
     @property
     def tuned(self) -> bool:
@@ -45,10 +42,7 @@ class GPU:
 @functools.cache
 def _gpu(index: int) -> GPU:
     p = torch.cuda.get_device_properties(index)
-    return GPU(p.name, (p.major, p.minor), p.multi_processor_count, int(getattr(p, "L2_cache_size", 0)),
-               int(getattr(p, "regs_per_multiprocessor", 65536)),
-               int(getattr(p, "max_threads_per_multi_processor", 2048)),
-               int(getattr(p, "shared_memory_per_multiprocessor", 233472)))
+    return GPU(p.name, (p.major, p.minor), p.multi_processor_count, int(getattr(p, "L2_cache_size", 0)))
 
 
 def _index(device: torch.device) -> int:
@@ -58,20 +52,6 @@ def _index(device: torch.device) -> int:
 def gpu(device: torch.device) -> GPU:
     """The CUDA device's properties (cached per device)."""
     return _gpu(_index(device))
-
-
-MAX_BLOCKS_PER_SM = 32  # compute capability 8.0-9.0 (8.6 / 8.9: 16 and 24; the other limits bind first there)
-REG_UNIT = 256  # registers are allocated per warp in units of this many
-
-
-def resident_per_sm(g: GPU, num_warps: int, regs: int, shared: int) -> int:
-    """Programs of num_warps warps, `regs` registers a thread and `shared` bytes of shared memory, that one SM of g
-    holds at once (at least 1)."""
-    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
-    limits = [MAX_BLOCKS_PER_SM, g.threads_per_sm // (32 * num_warps), g.regs_per_sm // max(1, per_warp * num_warps)]
-    if shared:
-        limits.append(g.smem_per_sm // (shared + 1024))  # 1 KB a block the system reserves (sm_80+)
-    return max(1, min(limits))
 
 
 def sm_count(device: torch.device) -> int:

@@ -24,14 +24,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "gupersist": "the F32 / F16 / BF16 gate/up launch persistent: as many programs as the SMs hold at once, each "
-                 "ranking the experts once and looping over its row blocks (NOTES.md 8y)",
-    "gupre": "gupersist with a row a K-step (tile 1 x K x 4 unless gate_up@ says), x loaded once per program and "
-             "each row's weights loaded before the arithmetic of the row before (NOTES.md 8y)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {"gupersist": {"gu_persist": 32},
-                                           "gupre": {"gu_persist": 32, "gu_prefetch": True}}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
 # matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)

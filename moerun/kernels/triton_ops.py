@@ -62,9 +62,6 @@ class TritonOps:
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
-    gu_persist: the F32 / F16 / BF16 gate/up launched persistent, at most this many programs per SM and no more than
-    an SM holds (`qmatvec.moe_gate_up` persist; 0: one program per row block and slot); gu_prefetch: with it, each
-    row's weights loaded before the arithmetic of the row before (`qmatvec.moe_gate_up` prefetch).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -78,8 +75,7 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 float_tiles: dict[str, tuple[int, int, int]] | None = None, gu_persist: int = 0,
-                 gu_prefetch: bool = False) -> None:
+                 float_tiles: dict[str, tuple[int, int, int]] | None = None) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -91,7 +87,6 @@ class TritonOps:
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
         self.attn_min_split = attn_min_split
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
-        self.gu_persist, self.gu_prefetch = gu_persist, gu_prefetch
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -215,9 +210,8 @@ class TritonOps:
         late = route is not None and self.byte_down_route and qtype_gate in qk.FLOATS  # a float down follows
         self._late_route = route if late else None
         return qk.moe_gate_up(w_gate, w_up, qtype_gate, qtype_up, x, ids, out, act=act, perm_out=perm_out,
-                              route=route, late=late, tile=self._float_tile("gate_up", qtype_gate),
-                              persist=self.gu_persist, prefetch=self.gu_prefetch and self.gu_persist > 0
-                              and qtype_gate == qtype_up)
+                              route=route, late=late,
+                              tile=self._float_tile("gate_up", qtype_gate))
 
     def moe_down(self, w_down: torch.Tensor, qtype: int, h: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor, residual: torch.Tensor, out: torch.Tensor,

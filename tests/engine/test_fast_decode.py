@@ -183,7 +183,8 @@ def test_make_ops_names() -> None:
         make_ops("triton+fast")
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
-                 "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead"):
+                 "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead", "gupersist",
+                 "gupre"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")

@@ -24,16 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moerun.kernels.gpu import gpu, resident_per_sm, sm_count
+from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route
-from moerun.kernels.triton.decode_ops import (
-    down_route_args,
-    expert_id,
-    ranked_experts,
-    route_args,
-    store_topk,
-    topk_logits,
-)
+from moerun.kernels.triton.decode_ops import down_route_args, expert_id, ranked_experts, route_args
 from moerun.kernels.triton.outputs import perm_slot
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
 from moerun.kernels.triton.qblocks import float_w, float_words, float_x, row_dot, step, total, zeros
@@ -187,90 +180,21 @@ def _moe_gate_up_kernel(
     stride_out, NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
     BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr, ROUTE: tl.constexpr,
     N_SEL: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False, LATE: tl.constexpr = False, PERSIST: tl.constexpr = 0,
+    PDL: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
-    """Grid (cdiv(F, BM), n_sel): program (b, i) computes row block b of selection slot i. wg/wu: [E, F, row] bytes,
-    x: [K] f32, ids: [n_sel] int (written with ROUTE: `decode_ops.expert_id`), out: [n_sel, F] (rows in natural
-    order, or with PERM_OUT in the word kernels' order, `perm_slot`). LATE: the next kernel may launch only after this
-    one's wait (so the router's logits are final before it starts: a routed down, `_moe_down_kernel` ROUTE).
-    PERSIST 1: grid (P,) instead, program p computing the (slot, row block) items p, p + P, ... (slot-major), the
-    experts chosen once per program (ranked with ROUTE, program 0 storing ids and weights; else ids read) rather than
-    once per item: the same sums, fewer programs. PERSIST 2 (F32 / F16 / BF16, a row in one K-step): also x loaded
-    once, and each item's weights loaded before the arithmetic of the item before it."""
+    """Grid (cdiv(F, BM), n_sel). wg/wu: [E, F, row] bytes, x: [K] f32, ids: [n_sel] int (written with ROUTE:
+    `decode_ops.expert_id`), out: [n_sel, F] (rows in natural order, or with PERM_OUT in the word kernels' order,
+    `perm_slot`). LATE: the next kernel may launch only after this one's wait (so the router's logits are final
+    before it starts: a routed down, `_moe_down_kernel` ROUTE)."""
     if LATE:
         wait(PDL)
         trigger(PDL)
     else:
         begin(PDL)
-    if PERSIST:
-        n_rb = tl.cdiv(F, BM)
-        kk = tl.arange(0, BLOCK_K)
-        if ROUTE:
-            ids, xt, xl = topk_logits(route_ptr, E, BLOCK_E, BLOCK_K)
-            if tl.program_id(0) == 0:
-                store_topk(ids, xt, xl, E, wts_ptr, ids_ptr, N_SEL, RENORM, BLOCK_E, BLOCK_K)
-        else:
-            ids = tl.load(ids_ptr + kk, mask=kk < N_SEL, other=0)
-        item = tl.program_id(0)
-        n_items = n_rb * N_SEL
-        if PERSIST == 2:
-            tl.static_assert((QG == QU) & (NBG == NBU) & (NBG >= NBLK_G), "PERSIST 2: one float type, one K-step")
-            x = float_x(x_ptr, 0, NBLK_G, NBG)
-            wg, wu, rows = _gate_up_w(wg_ptr, wu_ptr, ids, kk, item, n_items, n_rb, F, stride_ge, stride_gm,
-                                      stride_ue, stride_um, NBLK_G, BM, NBG)
-            while item < n_items:  # (a while loop: the interpreter cannot range() over a runtime bound)
-                nxt = item + tl.num_programs(0)
-                wg2, wu2, rows2 = _gate_up_w(wg_ptr, wu_ptr, ids, kk, nxt, n_items, n_rb, F, stride_ge, stride_gm,
-                                             stride_ue, stride_um, NBLK_G, BM, NBG)
-                g = total(wg.to(tl.float32) * x[None, :], QG)
-                u = total(wu.to(tl.float32) * x[None, :], QU)
-                _store_h(out_ptr, _act(g, ACT) * u, item // n_rb, rows, F, stride_out, PERM_OUT)
-                wg, wu, rows, item = wg2, wu2, rows2, nxt
-        else:
-            while item < n_items:  # (a while loop: the interpreter cannot range() over a runtime bound)
-                sel = item // n_rb
-                eid = tl.sum(tl.where(kk == sel, ids, 0), 0).to(tl.int64)
-                _gate_up_rows(wg_ptr, wu_ptr, x_ptr, out_ptr, eid, sel, item - sel * n_rb, F, stride_ge, stride_gm,
-                              stride_ue, stride_um, stride_out, NBLK_G, NBLK_U, QG, QU, ACT, BM, NBG, NBU, PERM_OUT)
-                item += tl.num_programs(0)
-    else:
-        eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
-        _gate_up_rows(wg_ptr, wu_ptr, x_ptr, out_ptr, eid, tl.program_id(1), tl.program_id(0), F, stride_ge,
-                      stride_gm, stride_ue, stride_um, stride_out, NBLK_G, NBLK_U, QG, QU, ACT, BM, NBG, NBU, PERM_OUT)
-
-
-@triton.jit
-def _gate_up_w(wg_ptr, wu_ptr, ids, kk, item, n_items, n_rb, F, stride_ge, stride_gm, stride_ue, stride_um,
-               NBLK: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
-    """A persistent program's item `item` (slot-major; none past n_items: masked): its F32 / F16 / BF16 gate and up
-    weights [BM, NB] as stored (one K-step: the whole rows) and its rows [BM]."""
-    sel = item // n_rb
-    eid = tl.sum(tl.where(kk == sel, ids, 0), 0).to(tl.int64)
-    rows = (item - sel * n_rb) * BM + tl.arange(0, BM)
-    rmask = (rows < F) & (item < n_items)
-    r64 = rows.to(tl.int64)
-    wg = float_w(wg_ptr + eid * stride_ge + r64 * stride_gm, rmask, 0, NBLK, NB)
-    wu = float_w(wu_ptr + eid * stride_ue + r64 * stride_um, rmask, 0, NBLK, NB)
-    return wg, wu, rows
-
-
-@triton.jit
-def _store_h(out_ptr, h, sel, rows, F, stride_out, PERM_OUT: tl.constexpr):
-    """h [BM] into selection slot sel's row of out at `rows` (the word kernels' order with PERM_OUT)."""
-    if PERM_OUT:
-        dst = perm_slot(rows)
-    else:
-        dst = rows
-    tl.store(out_ptr + sel * stride_out + dst, h, mask=rows < F)
-
-
-@triton.jit
-def _gate_up_rows(wg_ptr, wu_ptr, x_ptr, out_ptr, eid, sel, rb, F, stride_ge, stride_gm, stride_ue, stride_um,
-                  stride_out, NBLK_G: tl.constexpr, NBLK_U: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
-                  ACT: tl.constexpr, BM: tl.constexpr, NBG: tl.constexpr, NBU: tl.constexpr, PERM_OUT: tl.constexpr):
-    """Rows rb * BM .. + BM of expert eid's gate/up products into selection slot sel's row of out."""
-    rows = rb * BM + tl.arange(0, BM)
+    sel = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < F
+    eid = expert_id(ids_ptr, route_ptr, wts_ptr, E, ROUTE, N_SEL, RENORM, BLOCK_E, BLOCK_K)
     r64 = rows.to(tl.int64)
     wg = wg_ptr + eid * stride_ge + r64 * stride_gm
     wu = wu_ptr + eid * stride_ue + r64 * stride_um
@@ -285,7 +209,11 @@ def _gate_up_rows(wg_ptr, wu_ptr, x_ptr, out_ptr, eid, sel, rb, F, stride_ge, st
     else:
         g = row_dot(wg, rmask, x_ptr, NBLK_G, QG, BM, NBG)
         u = row_dot(wu, rmask, x_ptr, NBLK_U, QU, BM, NBU)
-    _store_h(out_ptr, _act(g, ACT) * u, sel, rows, F, stride_out, PERM_OUT)
+    if PERM_OUT:
+        dst = perm_slot(rows)
+    else:
+        dst = rows
+    tl.store(out_ptr + sel * stride_out + dst, _act(g, ACT) * u, mask=rmask)
 
 
 @triton.jit
@@ -454,8 +382,6 @@ def moe_gate_up(
     tile: Tile | None = None,
     route: Route | None = None,
     late: bool = False,
-    persist: int = 0,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """out[i, :] = act(Wg[ids[i]] @ x) * (Wu[ids[i]] @ x) for i < n_sel, in one launch.
 
@@ -463,67 +389,23 @@ def moe_gate_up(
     the kernel; with `route` written by it: each program ranks the router's logits itself and program (0, 0) stores
     the chosen ids and route.weights_out, as `route_topk` would); out: float32 [n_sel, F] (rows contiguous; with
     perm_out each row in the word kernels' order, F % 256 == 0). act: "silu" | "gelu_tanh". late: the next launch
-    starts only after this one's PDL wait (before a `moe_down` with `route`). persist > 0: at most that many programs
-    per SM, and no more than an SM holds at once (its compiled registers), each looping over (slot, row block)
-    items (`persistent_grid`; the experts chosen once per program). prefetch (with persist; F32 / F16 / BF16, gate and
-    up of one type): x loaded once per program and each item's weights before the arithmetic of the one before; a
-    row in one K-step (without `tile`: Tile(1, K, 4)). Returns out.
+    starts only after this one's PDL wait (before a `moe_down` with `route`). Returns out.
     """
     _check(qtype_gate)
     _check(qtype_up)
     f, k, n_sel = w_gate.shape[1], x.shape[0], ids.shape[0]
     if perm_out and f % 256:
         raise ValueError(f"perm_out needs F % 256 == 0, got F = {f}")
-    if prefetch:
-        if persist <= 0 or qtype_gate != qtype_up or qtype_gate not in FLOATS:
-            raise ValueError(f"prefetch needs persist > 0 and gate and up of one float type (got persist={persist}, "
-                             f"types {qtype_gate} / {qtype_up})")
-        tile = tile or Tile(1, triton.next_power_of_2(k), 4, 1)
-        if tile.nb < k:
-            raise ValueError(f"prefetch needs a row (K = {k}) in one K-step, got tile {tile}")
     t = tile or tile_for("gate_up", qtype_gate, f, k, n_sel, w_gate.device)
     nb_u = t.nb * GEOMETRY[qtype_gate][0] // GEOMETRY[qtype_up][0] if qtype_up != qtype_gate else t.nb
     wg, wu = _typed(w_gate, qtype_gate), _typed(w_up, qtype_up)
     rargs, rconst = route_args(route, ids)
-    n_rb = triton.cdiv(f, t.block_m)
-    if persist > 0:  # the programs hold all n_sel ids, ranked or read
-        rconst["BLOCK_K"] = triton.next_power_of_2(n_sel)
-    args = (wg, wu, x, ids, *rargs, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0))
-    kw = dict(NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
-              ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, **rconst, LATE=late,
-              PERSIST=(2 if prefetch else 1) if persist > 0 else 0, num_warps=t.num_warps, num_stages=t.num_stages,
-              **launch_args(w_gate.device))
-    if persist > 0:
-        per_sm = min(persist, _resident(_moe_gate_up_kernel, args, kw, w_gate.device))
-        grid: tuple[int, ...] = (persistent_grid(n_rb * n_sel, per_sm, w_gate.device),)
-    else:
-        grid = (n_rb, n_sel)
-    _moe_gate_up_kernel[grid](*args, **kw)
+    _moe_gate_up_kernel[(triton.cdiv(f, t.block_m), n_sel)](
+        wg, wu, x, ids, *rargs, out, f, wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), out.stride(0),
+        NBLK_G=k // GEOMETRY[qtype_gate][0], NBLK_U=k // GEOMETRY[qtype_up][0], QG=qtype_gate, QU=qtype_up,
+        ACT=ACTIVATIONS[act], BM=t.block_m, NBG=t.nb, NBU=max(1, nb_u), PERM_OUT=perm_out, **rconst, LATE=late,
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_args(w_gate.device))
     return out
-
-
-_RESIDENT: dict[tuple, int] = {}
-
-
-def _resident(kernel, args: tuple, kw: dict, device: torch.device) -> int:
-    """Programs of this launch of `kernel` an SM holds at once, from its compiled registers and shared memory (cached
-    by the launch's constexprs and argument dtypes); CPU_SMS-sized grids in the interpreter: no limit (32)."""
-    if device.type != "cuda":
-        return 32
-    key = (kernel, str(device), tuple(sorted(kw.items())), tuple(str(getattr(a, "dtype", type(a))) for a in args))
-    n = _RESIDENT.get(key)
-    if n is None:
-        ck = kernel.warmup(*args, grid=(1,), **kw)
-        ck._init_handles()  # loads the module: n_regs is known from then on
-        n = _RESIDENT[key] = resident_per_sm(gpu(device), kw["num_warps"], ck.n_regs, ck.metadata.shared)
-    return n
-
-
-def persistent_grid(items: int, per_sm: int, device: torch.device) -> int:
-    """Programs for `items` work items at most per_sm per SM, every program the same number of items (the fewest
-    programs that keep the most items per program): ceil(items / ceil(items / slots))."""
-    per_prog = triton.cdiv(items, max(1, per_sm * sm_count(device)))
-    return triton.cdiv(items, per_prog)
 
 
 def moe_down(
