@@ -32,11 +32,14 @@ case ${1:-} in
     done
     printf 'find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(llama-bench)\n' \
       > "$SRC/tools/CMakeLists.txt"  # llama-bench alone of the tools
-    rm -rf "$tmp"; du -sh "$SRC" ;;
+    ggml=$(sed -n 's/^set(GGML_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\))/\2/p' "$s/ggml/CMakeLists.txt" | paste -sd.)
+    echo "llama.cpp vendored by llama-cpp-python $v (ggml $ggml)" > "$SRC/VERSION"
+    rm -rf "$tmp"; cat "$SRC/VERSION"; du -sh "$SRC" ;;
   build)
     [ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp source in $SRC: run '$0 src' where PyPI is reachable" >&2; exit 1; }
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-    [ -f "$BUILD/build.ninja" ] || cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+    # GIT_CEILING_DIRECTORIES: llama.cpp's build info must not take this repository's commit for its own
+    [ -f "$BUILD/build.ninja" ] || GIT_CEILING_DIRECTORIES=$PWD/.llama cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
       > "$OUT/llamacpp-cmake.txt" 2>&1 || { tail -20 "$OUT/llamacpp-cmake.txt"; exit 1; }
@@ -45,6 +48,7 @@ case ${1:-} in
   bench)
     t=${2:?TYPE}; depths=${3:-0,4096}; f=/tmp/olmoe-1b-7b-$t.gguf; lb=$BUILD/bin/llama-bench
     [ -x "$lb" ] || { echo "no $lb: run '$0 build' first" >&2; exit 1; }
+    cat "$SRC/VERSION" 2>/dev/null
     [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress | tail -1
     timeout 300 "$lb" -m "$f" -ngl 99 -fa 1 -p 0 -n 128 -r 5 -d "$depths" -o json > "$OUT/llamacpp-olmoe-$t.json" \
       2> "$OUT/llamacpp-olmoe-$t.err" || tail -5 "$OUT/llamacpp-olmoe-$t.err"
