@@ -24,8 +24,18 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "attnlongpre": "the long attention phase's first K / V tile loaded before the PDL wait (as the short phase's), "
+                   "registers capped at 128 so 4 programs still fit an SM (NOTES.md 8z)",
+    "attnlongk": "the long attention phase's first K rows before the PDL wait, its V rows after the prologue, "
+                 "registers capped at 128 (NOTES.md 8z)",
+    "argmax1": "greedy argmax in one launch: the last chunk program to finish picks the token (NOTES.md 8z)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {
+    "attnlongpre": {"attn_long": (64, 4, 4, 1, 128)},
+    "attnlongk": {"attn_long": (64, 4, 4, 2, 128)},
+    "argmax1": {"argmax_fused": True},
+}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
 # matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)

@@ -51,7 +51,8 @@ class TritonOps:
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
-    programs per SM its split policy aims at, first tile with the RoPE prologue's loads) for the phases of the
+    programs per SM its split policy aims at, which of the first tile's rows load with the RoPE prologue's, a register
+    cap) for the phases of the
     context's length (`attention_phases`; the fast step captures a graph per phase): short from length 1
     (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
     (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
@@ -62,6 +63,7 @@ class TritonOps:
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
+    argmax_fused: greedy sampling's argmax in one launch, the last chunk program reducing (`decode_ops.argmax` counter).
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -75,7 +77,7 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 float_tiles: dict[str, tuple[int, int, int]] | None = None) -> None:
+                 float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = False) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -87,6 +89,7 @@ class TritonOps:
         self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
         self.attn_min_split = attn_min_split
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
+        self.argmax_fused = argmax_fused
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -325,9 +328,9 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early, max_regs = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, min_split=self.attn_min_split)
+                    block_n=block_n, num_warps=warps, early=early, min_split=self.attn_min_split, max_regs=max_regs)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None
@@ -366,6 +369,12 @@ class TritonOps:
         scratch = self._argmax_scratch.get(key)
         if scratch is None:
             scratch = self._argmax_scratch[key] = dk.argmax_scratch(logits.shape[-1], logits.device)
-        dk.argmax(logits, out_id, scratch, chain=chain)
+        counter = None
+        if self.argmax_fused:  # its own counter (`_counters` shares arrays of one size between kernels)
+            counter = self._counter_scratch.get(("argmax", logits.device))
+            if counter is None:
+                counter = self._counter_scratch[("argmax", logits.device)] = torch.zeros(1, dtype=torch.int32,
+                                                                                          device=logits.device)
+        dk.argmax(logits, out_id, scratch, chain=chain, counter=counter)
 
     advance = staticmethod(TorchOps.advance)

@@ -188,12 +188,12 @@ def _step_inputs(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_ctx:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fused,early", [(True, True), (False, True), (True, False)], ids=str)
+@pytest.mark.parametrize("fused,early", [(True, 1), (False, 1), (True, 0), (True, 2)], ids=str)
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
     (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
     (2, 2, 64, 64, 5, 33, 0), (2, 1, 32, 32, 2, 80, 0)])
 def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
-                                           kv_len: int, window: int, fused: bool, early: bool,
+                                           kv_len: int, window: int, fused: bool, early: int,
                                            cache_dtype: torch.dtype) -> None:
     """The split programs load their first K / V tile before this step's row is stored: where that tile holds
     position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop
@@ -202,7 +202,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     against qk_norm_rope_store then attention_decode: the same cache rows bit for bit, the same output and quantized
     output (f16 / bf16 / f32 caches, GQA, a window, one and several live splits (min_split 16), tiles of 16
     positions, the fused reduce and the reduce launch); also with the first tile loaded after the prologue and its
-    barrier instead (`early` False, `decode_ops.ATTN_LONG`)."""
+    barrier instead (`early` 0, `decode_ops.ATTN_LONG`), and with only its K rows ahead, its V rows after (2)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
@@ -363,6 +363,28 @@ def test_argmax(gen: torch.Generator, v: int) -> None:
         ops.argmax(logits, out, scratch)
         assert int(out) == first
         logits[idx] = 0.0
+
+
+@pytest.mark.parametrize("v,chunk", [(5000, 2048), (50304, 2048), (7, 16), (2048, 2048)])
+def test_argmax_fused(gen: torch.Generator, v: int, chunk: int) -> None:
+    """counter: the last chunk program reduces (one launch): the two launches' index and chained inputs, the counter
+    left zero (so a second call works), a repeated maximum's first index across chunks, one chunk alone."""
+    logits = randn(gen, v)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        idx = torch.randint(0, v, (3,), generator=gen).to(DEV)
+        logits[idx] = float(logits.max()) + 1.0
+        outs = []
+        for cnt in (None, counter):
+            tok, pos, kv_len, out = (torch.tensor([x], device=DEV, dtype=torch.int64) for x in (-1, 41, 42, -1))
+            scratch = tuple(t.fill_(-1) for t in ops.argmax_scratch(v, DEV, chunk))
+            ops.argmax(logits, out, scratch, chunk=chunk, chain=(tok, pos, kv_len), counter=cnt)
+            outs.append((int(out), int(tok), int(pos), int(kv_len)))
+        assert outs[0] == outs[1] == (int(idx.min()), int(idx.min()), 42, 43), outs
+        assert int(counter) == 0
+        logits[idx] = 0.0
+    with pytest.raises(ValueError, match="counter must be int32"):
+        ops.argmax(logits, out, ops.argmax_scratch(v, DEV, chunk), chunk=chunk, counter=torch.zeros(1, device=DEV))
 
 
 def test_argmax_chains_the_next_step(gen: torch.Generator) -> None:

@@ -81,7 +81,8 @@ elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + ful
     fn = dk._attn_split_kernel
     consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
                   QK_NORM=2, NEOX=1, K_BF16=False, V_BF16=False, BLOCK_FQ=2048, BLOCK_FK=2048, FUSED=True,
-                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=sys.argv[2] == "attn_short", PDL=pdl)
+                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128,
+                  EARLY={"attn_short": 1, "attn_long": 0, "attn_longk": 2}[sys.argv[2]], PDL=pdl)
     types = {"k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64", "cnt_ptr": "*i32", "qk_scale": "fp32",
              "eps": "fp32", "window": "i32", "k_sn": "i32", "k_sh": "i32", "v_sn": "i32", "v_sh": "i32"}
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
@@ -137,12 +138,14 @@ def test_step_boundary_and_attention_pre() -> None:
     """sm_90 PTX with PDL: the step's first kernel (embed) waits before it lets the next launch, so nothing of a step
     starts before the step before has finished; the split attention with RoPE reads the length, waits there only
     with one live split, loads its first K / V tile (16 loads: 8 K and 8 V vectors) before its last wait (the short
-    phase's early tile) or after it (the long phase's), and only then lets the next kernel launch, and stores."""
+    phase's early tile), or after it (the long phase's), or only its K rows before it (EARLY 2, feature attnlongk),
+    and only then lets the next kernel launch, and stores."""
     ptx = _ptx("embed", True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first = re.search(r"\b(ld|st)\.global", ptx)
     assert 0 <= wait < trig and first is not None and wait < first.start()
-    for phase in ("short", "long"):
+    tiles = {}
+    for phase in ("short", "long", "longk"):
         ptx = _ptx(f"attn_{phase}", True)
         trig, wait, last = (ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"),
                             ptx.rfind("griddepcontrol.wait"))
@@ -150,7 +153,8 @@ def test_step_boundary_and_attention_pre() -> None:
         assert 0 <= wait < last < trig < store.start(), phase
         assert len(re.findall(r"\bld\.global", ptx[:wait])) == 1, phase  # the length
         tile = len(re.findall(r"\bld\.global", ptx[wait:last]))
-        assert tile >= 16 if phase == "short" else tile == 0, (phase, tile)
+        tiles[phase] = tile
+    assert tiles["short"] >= 16 and tiles["long"] == 0 and 2 * tiles["longk"] == tiles["short"], tiles  # K: half
 
 
 @pytest.mark.parametrize(("gate_up", "down", "min_loads"), [("gate_up_late", "down_route", 2 * 4 * 2),

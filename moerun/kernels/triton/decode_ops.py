@@ -267,12 +267,13 @@ ATTN_PROGRAMS_PER_SM = 3
 
 
 # attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
-# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY))
-AttnVariant = tuple[int, int, int, bool]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True)
+# split policy aims at, which of the first tile's rows load with the prologue's (`_attn_split_kernel` EARLY: 1 K and V,
+# 0 none, 2 K), the most registers a thread may take (ptxas's maxnreg, spilling past it; 0: no cap))
+AttnVariant = tuple[int, int, int, int, int]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, 1, 0)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False)
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, 0, 0)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -319,15 +320,19 @@ def _live_splits(len_ptr, window, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexp
 
 
 @triton.jit
+def _kv_rows(base, n0, hi, sn, d, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache rows n0 .. n0 + BLOCK_N - 1 below hi (zeros past it) of one head at base: [BLOCK_N, BLOCK_D], in the
+    cache's dtype."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(base + n.to(tl.int64)[:, None] * sn + d[None, :], mask=(n < hi)[:, None] & (d < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """The K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] rows n0 .. n0 + BLOCK_N - 1 below hi (zeros past it), in the
     caches' dtype; V issued with K (the reductions after them synchronise the warps, and no load moves across)."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    nmask = n < hi
-    rows = n.to(tl.int64)
-    k = tl.load(k_base + rows[:, None] * k_sn + d[None, :], mask=nmask[:, None] & (d < D)[None, :], other=0.0)
-    v = tl.load(v_base + rows[:, None] * v_sn + dv[None, :], mask=nmask[:, None] & (dv < DV)[None, :], other=0.0)
-    return k, v
+    return _kv_rows(k_base, n0, hi, k_sn, d, D, BLOCK_N), _kv_rows(v_base, n0, hi, v_sn, dv, DV, BLOCK_N)
 
 
 @triton.jit
@@ -354,7 +359,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = 1,
                        PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
@@ -375,17 +380,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     The chunk's first K / V tile is loaded with the prologue's loads, one dependent round trip after the length
     instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at len-1 in
     that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
-    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a). EARLY False (with ROPE):
+    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a). EARLY 0 (with ROPE):
     the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
-    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic.
+    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); EARLY 2 (with ROPE): its
+    K rows with the prologue's loads, its V rows after the prologue (NOTES.md 8z); the same arithmetic.
 
-    PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more
-    than one live split the first tile's loads (EARLY) too: only earlier steps write the length and the rows before
-    len-1 (the step's first kernel waits for the step before, `_embed_kernel`), and the row len-1 comes from registers
-    or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o). The
-    next kernel may launch only after the wait (launched at once, its programs took the SMs the q/k/v product's
-    later programs still needed: F16 -1.6% at depth 512, NOTES.md 8o). H100: Q4_K_M tg128 +2.8% at depth 512, +4.1%
-    at 2048 (8o), +1.2% at depth 0, +0.7% at 4096 (8r). Without ROPE q is the kernel before's output: wait first.
+    PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more than one
+    live split the first tile's loads (EARLY; its K rows with EARLY 2) too: only earlier steps write the length and the
+    rows before len-1 (the step's first kernel waits for the step before, `_embed_kernel`), and the row len-1 comes from
+    registers or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o).
+    The next kernel may launch only after the wait (launched at once, its programs took the SMs the q/k/v product's
+    later programs still needed: F16 -1.6% at depth 512, NOTES.md 8o). H100: Q4_K_M tg128 +2.8% at depth 512, +4.1% at
+    2048 (8o), +1.2% at depth 0, +0.7% at 4096 (8r). Without ROPE q is the kernel before's output: wait first.
     """
     if not ROPE:
         begin(PDL)
@@ -406,8 +412,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     dv = tl.arange(0, BLOCK_DV)
     k_base = k_ptr + kvh * k_sh
     v_base = v_ptr + kvh * v_sh
-    if EARLY or not ROPE:
+    if EARLY == 1 or not ROPE:
         kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
+    elif EARLY == 2:
+        kt = _kv_rows(k_base, lo, hi, k_sn, d, D, BLOCK_N)  # the first tile's K rows, with q's loads
     if ROPE:
         wait(PDL)  # q, k, v: this step's (a no-op where it came above)
         trigger(PDL)
@@ -435,9 +443,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
             if pos >= lo + BLOCK_N:  # the loop below reads the row back (the first tile takes it from registers)
                 tl.debug_barrier()
         q = q * qk_scale
-        if not EARLY:
+        if EARLY == 0:
             tl.debug_barrier()  # the prologue's values dead before the tile's loads are issued
             kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+        elif EARLY == 2:
+            tl.debug_barrier()
+            vt = _kv_rows(v_base, lo, hi, v_sn, dv, DV, BLOCK_N)
     else:
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     m_i = -float("inf")
@@ -557,7 +568,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True) -> torch.Tensor:
+                     early: int = 1, max_regs: int = 0) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -572,9 +583,10 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
-    early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
-    (`_attn_split_kernel` EARLY); with rope and PDL the length and, with several live splits, the first tile
-    (early) come before the PDL wait, its trigger after it.
+    early (with rope): the first K / V tile loaded with the prologue's loads (1, the default), after it (0), or its K
+    rows with them and its V rows after (2) (`_attn_split_kernel` EARLY); max_regs > 0: the split kernel compiled to at
+    most that many registers a thread (spilling past it; on CUDA); with rope and PDL the length and, with several
+    live splits, the first tile (early) come before the PDL wait, its trigger after it.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -609,8 +621,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=early,
-            num_warps=num_warps, **launch_args(q.device))
+            **rconst, FUSED=fused, **oconst, EARLY=int(early),
+            num_warps=num_warps, **launch_args(q.device),
+            **({"maxnreg": max_regs} if max_regs > 0 and q.is_cuda else {}))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
@@ -863,8 +876,12 @@ def argmax_scratch(vocab: int, device: torch.device | str,
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p: (max, first index of it) of x[p*CHUNK : (p+1)*CHUNK]. x: [V] f32 -> val [P] f32, idx [P] int32."""
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, out_ptr, tok_ptr, pos_ptr, len_ptr, cnt_ptr, P,
+                         CHUNK: tl.constexpr, BLOCK_P: tl.constexpr = 1, FUSED: tl.constexpr = False,
+                         CHAIN: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program p: (max, first index of it) of x[p*CHUNK : (p+1)*CHUNK]. x: [V] f32 -> val [P] f32, idx [P] int32.
+    FUSED: the last of the P programs to finish (an acq_rel counter cnt [1] after a CTA barrier; it resets the counter)
+    also does `_argmax_reduce_kernel`'s work (`_argmax_pick`), one launch less."""
     begin(PDL)
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
@@ -873,19 +890,23 @@ def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, CHUNK: tl.constexpr, PDL: t
     i = tl.min(tl.where((x == m) & (offs < V), offs, 2147483647), 0)
     tl.store(val_ptr + pid, m)
     tl.store(idx_ptr + pid, i)
+    if FUSED:
+        tl.debug_barrier()  # every thread's stores before the release below
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == P - 1:
+            _argmax_pick(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P, CHAIN, True)
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P: tl.constexpr,
-                          CHAIN: tl.constexpr, PDL: tl.constexpr = False):
-    """One program: the first chunk holding the global max gives the index. val, idx: [P] -> out [1] int64;
-    with CHAIN also tok = out, pos += 1, len += 1 ([1] int64 each: the next decode step's inputs)."""
-    begin(PDL)
+def _argmax_pick(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P: tl.constexpr, CHAIN: tl.constexpr,
+                 VOLATILE: tl.constexpr):
+    """The first chunk holding the global max gives the index: val, idx [P] -> out [1] int64; with CHAIN also
+    tok = out, pos += 1, len += 1. VOLATILE: the partials read past L1 (other programs of this launch wrote them)."""
     p = tl.arange(0, BLOCK_P)
-    v = tl.load(val_ptr + p, mask=p < P, other=-float("inf"))
+    v = tl.load(val_ptr + p, mask=p < P, other=-float("inf"), volatile=VOLATILE)
     m = tl.max(v, 0)
     first = tl.min(tl.where((v == m) & (p < P), p, BLOCK_P), 0)
-    best = tl.load(idx_ptr + first).to(tl.int64)
+    best = tl.load(idx_ptr + first, volatile=VOLATILE).to(tl.int64)
     tl.store(out_ptr, best)
     if CHAIN:
         tl.store(tok_ptr, best)
@@ -893,20 +914,38 @@ def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, 
         tl.store(len_ptr, tl.load(len_ptr) + 1)
 
 
+@triton.jit
+def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P: tl.constexpr,
+                          CHAIN: tl.constexpr, PDL: tl.constexpr = False):
+    """One program: `_argmax_pick`. val, idx: [P] -> out [1] int64; with CHAIN also tok = out, pos += 1, len += 1
+    ([1] int64 each: the next decode step's inputs)."""
+    begin(PDL)
+    _argmax_pick(val_ptr, idx_ptr, out_ptr, tok_ptr, pos_ptr, len_ptr, P, BLOCK_P, CHAIN, False)
+
+
 def argmax(logits: torch.Tensor, out_id: torch.Tensor, scratch: tuple[torch.Tensor, torch.Tensor],
            chunk: int = ARGMAX_CHUNK,
-           chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+           counter: torch.Tensor | None = None) -> torch.Tensor:
     """First index of the maximum. logits: [V] f32 -> out_id [1] int64 (device); scratch from argmax_scratch.
     chain: (tok, pos, kv_len) [1] int64 device buffers, set for the next decode step: tok = the index,
     pos += 1, kv_len += 1 (no extra launch).
 
-    Two launches: ceil(V / chunk) chunk programs, then one reduce program. (NaN logits are not handled.)
+    Two launches: ceil(V / chunk) chunk programs, then one reduce program; with counter (int32 zeros [>= 1], left
+    zero) one: the last chunk program to finish reduces (`_argmax_chunk_kernel` FUSED), the same result. (NaN logits
+    are not handled.)
     """
     v = logits.shape[-1]
     vals, idx = scratch
     p = vals.shape[0]
     tok, pos, kv_len = chain if chain is not None else (out_id, out_id, out_id)
-    _argmax_chunk_kernel[(p,)](logits, vals, idx, v, CHUNK=chunk, num_warps=8, **launch_args(logits.device))
-    _argmax_reduce_kernel[(1,)](vals, idx, out_id, tok, pos, kv_len, p, BLOCK_P=_np2(p), CHAIN=chain is not None,
-                                num_warps=4, **launch_args(logits.device))
+    if counter is not None and (counter.numel() < 1 or counter.dtype != torch.int32):
+        raise ValueError(f"counter must be int32 zeros [>= 1], got {counter.dtype} [{counter.numel()}]")
+    fused = counter is not None
+    _argmax_chunk_kernel[(p,)](logits, vals, idx, v, out_id, tok, pos, kv_len, counter if fused else idx, p,
+                               CHUNK=chunk, BLOCK_P=_np2(p), FUSED=fused, CHAIN=chain is not None, num_warps=8,
+                               **launch_args(logits.device))
+    if not fused:
+        _argmax_reduce_kernel[(1,)](vals, idx, out_id, tok, pos, kv_len, p, BLOCK_P=_np2(p), CHAIN=chain is not None,
+                                    num_warps=4, **launch_args(logits.device))
     return out_id
