@@ -15,6 +15,7 @@
 #   the file kept for the next call; rm:TYPE deletes it),
 #   ab1:TYPE:OPS,OPS,... (the same in one process: `moerun bench --ops A,B --rounds $ROUNDS`, the summary table;
 #   with AB1_TREE=NAME (export:AB1_TREE=old) the package in abtree/NAME runs it, e.g. an older commit's features),
+#   llamacpp:build / llamacpp:TYPE[:DEPTHS] (llama.cpp's llama-bench beside moerun bench: benchmarks/llamacpp.sh),
 #   sweepab:TYPE:KIND[:N] (sweep:TYPE of one KIND, then ab1 of the default and its N fastest other tiles),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
@@ -67,6 +68,11 @@ for stage in "$@"; do
         ${BMS:+--bms "$BMS"} ${STEPS:+--steps "$STEPS"} --json "$OUT/sweep-$t-$kind.json" 2>&1 | tee -a "$LOG"
       ops=$(python3 benchmarks/sweep_ops.py "$OUT/sweep-$t-$kind.json" --kind "$kind" --top "$n" 2>&1) \
         && OUT=$OUT bash "$0" "ab1:$t:$ops" | grep -v "^===" || echo "$ops" | tee -a "$LOG" ;;
+    llamacpp:*)  # llamacpp:build, or llamacpp:TYPE[:DEPTHS] (default 0,4096): llama.cpp's llama-bench beside moerun
+      # bench on one synthesized OLMoE file (benchmarks/llamacpp.sh; carry .llama/src, made by its `src` here)
+      spec=${stage#*:}; t=${spec%%:*}; d=${spec#*:}; [ "$d" = "$spec" ] && d=0,4096
+      if [ "$spec" = build ]; then OUT=$OUT bash benchmarks/llamacpp.sh build; else OUT=$OUT bash benchmarks/llamacpp.sh \
+        bench "$t" "$d"; fi 2>&1 | tee -a "$LOG" ;;
     synth:*) t=${stage#*:}; timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" \
         -o /tmp/synth-$t.gguf --no-progress --force 2>&1 | tail -1 | tee -a "$LOG"; rm -f /tmp/synth-$t.gguf ;;
     qgemm) timeout 300 python3 benchmarks/bench_qgemm.py ${QGEMM_ARGS:-} 2>&1 | tee -a "$LOG" ;;

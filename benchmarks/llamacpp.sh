@@ -39,19 +39,22 @@ case ${1:-} in
     [ -f "$SRC/CMakeLists.txt" ] || { echo "no llama.cpp source in $SRC: run '$0 src' where PyPI is reachable" >&2; exit 1; }
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
     # GIT_CEILING_DIRECTORIES: llama.cpp's build info must not take this repository's commit for its own
-    [ -f "$BUILD/build.ninja" ] || GIT_CEILING_DIRECTORIES=$PWD/.llama cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
-      > "$OUT/llamacpp-cmake.txt" 2>&1 || { tail -20 "$OUT/llamacpp-cmake.txt"; exit 1; }
-    cmake --build "$BUILD" --target llama-bench -j "${BUILD_JOBS:-$(($(nproc) + 2))}" > "$OUT/llamacpp-build.txt" 2>&1
-    rc=$?; tail -3 "$OUT/llamacpp-build.txt"; exit $rc ;;
+    # (the logs go to $OUT only on failure: the device returns at most 8 files)
+    [ -f "$BUILD/build.ninja" ] || GIT_CEILING_DIRECTORIES=$PWD/.llama cmake -S "$SRC" -B "$BUILD" -G Ninja \
+      -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+      -DLLAMA_BUILD_TOOLS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF > /tmp/llamacpp-cmake.txt 2>&1 \
+      || { cp /tmp/llamacpp-cmake.txt "$OUT/"; tail -20 /tmp/llamacpp-cmake.txt; exit 1; }
+    cmake --build "$BUILD" --target llama-bench -j "${BUILD_JOBS:-$(($(nproc) + 2))}" > /tmp/llamacpp-build.txt 2>&1
+    rc=$?; [ $rc = 0 ] || cp /tmp/llamacpp-build.txt "$OUT/"; tail -3 /tmp/llamacpp-build.txt; exit $rc ;;
   bench)
     t=${2:?TYPE}; depths=${3:-0,4096}; f=/tmp/olmoe-1b-7b-$t.gguf; lb=$BUILD/bin/llama-bench
     [ -x "$lb" ] || { echo "no $lb: run '$0 build' first" >&2; exit 1; }
     cat "$SRC/VERSION" 2>/dev/null
     [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress | tail -1
+    # (stderr kept only on failure: the device returns at most 8 files)
     timeout 300 "$lb" -m "$f" -ngl 99 -fa 1 -p 0 -n 128 -r 5 -d "$depths" -o json > "$OUT/llamacpp-olmoe-$t.json" \
-      2> "$OUT/llamacpp-olmoe-$t.err" || tail -5 "$OUT/llamacpp-olmoe-$t.err"
+      2> /tmp/llamacpp-olmoe-$t.err || { cp /tmp/llamacpp-olmoe-$t.err "$OUT/"; tail -5 /tmp/llamacpp-olmoe-$t.err; }
     timeout 400 python3 -m moerun bench -m "$f" -p 0 -n 128 -r 5 -d "$depths" \
       --output-file "$OUT/moerun-olmoe-$t.json" 2>&1 | grep -v "loading to" | grep "^|"
     python3 - "$OUT/llamacpp-olmoe-$t.json" "$OUT/moerun-olmoe-$t.json" "$t" <<'EOF'
