@@ -52,13 +52,12 @@ class TritonOps:
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
     programs per SM its split policy aims at, which of the first tile's rows load with the RoPE prologue's, a register
-    cap) for the phases of the
-    context's length (`attention_phases`; the fast step captures a graph per phase): short from length 1
-    (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
-    (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
-    tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
-    (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live
-    splits per head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
+    cap) for the phases of the context's length (`attention_phases`; the fast step captures a graph per phase): short
+    from length 1 (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per
+    SM), long (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100
+    Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
+    (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live splits per
+    head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
@@ -246,11 +245,12 @@ class TritonOps:
         return (self.down_route and route is not None and h_x24 is not None
                 and route.logits.shape[-1] <= dk.ROUTE_MAX_E and qk.experts_group(ids.shape[0], self.down_ahead) > 1)
 
-    def _counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size."""
-        c = self._counter_scratch.get((n, device))
+    def _counters(self, n: int, device: torch.device, owner: str = "") -> torch.Tensor:
+        """int32 zeros [n] for the kernels' arrival counters (left zero by them), allocated once per size (kernels
+        asking for the same size share them) and owner (a kernel that names itself gets its own)."""
+        c = self._counter_scratch.get((n, device, owner))
         if c is None:
-            c = self._counter_scratch[(n, device)] = torch.zeros(n, dtype=torch.int32, device=device)
+            c = self._counter_scratch[(n, device, owner)] = torch.zeros(n, dtype=torch.int32, device=device)
         return c
 
     @staticmethod
@@ -369,12 +369,7 @@ class TritonOps:
         scratch = self._argmax_scratch.get(key)
         if scratch is None:
             scratch = self._argmax_scratch[key] = dk.argmax_scratch(logits.shape[-1], logits.device)
-        counter = None
-        if self.argmax_fused:  # its own counter (`_counters` shares arrays of one size between kernels)
-            counter = self._counter_scratch.get(("argmax", logits.device))
-            if counter is None:
-                counter = self._counter_scratch[("argmax", logits.device)] = torch.zeros(1, dtype=torch.int32,
-                                                                                          device=logits.device)
+        counter = self._counters(1, logits.device, "argmax") if self.argmax_fused else None
         dk.argmax(logits, out_id, scratch, chain=chain, counter=counter)
 
     advance = staticmethod(TorchOps.advance)
