@@ -25,16 +25,13 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {
-    "attnlongpre": "the long attention phase's first K / V tile loaded before the PDL wait (as the short phase's), "
-                   "registers capped at 128 so 4 programs still fit an SM (NOTES.md 8z)",
-    "attnlongk": "the long attention phase's first K rows before the PDL wait, its V rows after the prologue, "
-                 "registers capped at 128 (NOTES.md 8z)",
-    "argmax1": "greedy argmax in one launch: the last chunk program to finish picks the token (NOTES.md 8z)",
+    "kvl2": "in the long attention phase each layer's RMSNorm launch also prefetches the first tile of every "
+            "128 cache positions of that layer's K / V into L2 (sm_90 bulk prefetch; NOTES.md 9b)",
+    "kvl2all": "the same for every tile below this step's row (NOTES.md 9b)",
 }
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
-    "attnlongpre": {"attn_long": (64, 4, 4, 1, 128)},
-    "attnlongk": {"attn_long": (64, 4, 4, 2, 128)},
-    "argmax1": {"argmax_fused": True},
+    "kvl2": {"kv_l2": 2},
+    "kvl2all": {"kv_l2": 1},
 }
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a

@@ -51,18 +51,21 @@ class TritonOps:
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
-    programs per SM its split policy aims at, which of the first tile's rows load with the RoPE prologue's, a register
-    cap) for the phases of the context's length (`attention_phases`; the fast step captures a graph per phase): short
-    from length 1 (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per
-    SM), long (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100
-    Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
-    (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live splits per
-    head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
+    programs per SM its split policy aims at, first tile with the RoPE prologue's loads) for the phases of the context's
+    length (`attention_phases`; the fast step captures a graph per phase): short from length 1 (`decode_ops.ATTN_SHORT`:
+    the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long (default `decode_ops.ATTN_LONG`:
+    the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%,
+    NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from` (attn_long_from: that length instead, for
+    tests and tuning). In both the KV length (and with several live splits per head the first tile) is read before the
+    PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
-    argmax_fused: greedy sampling's argmax in one launch, the last chunk program reducing (`decode_ops.argmax` counter).
+    kv_l2: in the long attention phase, each layer's RMSNorm before its q/k/v product also prefetches every kv_l2-th
+    tile-sized piece of that layer's K / V cache into L2 (`decode_ops.KVPrefetch`; 0: none).
+    argmax_fused: greedy sampling's argmax in one launch, the last chunk program reducing (`decode_ops.argmax` counter;
+    H100 Q4_K_M tg128 +0.6%, @ d4096 +0.4%, NOTES.md 9a); False: a chunk launch and a reduce launch.
 
     Every gate/up launch that can (at most `decode_ops.ROUTE_MAX_E` experts; not the torch fallback) ranks the
     router's logits itself, the byte-decoding one (F16 / BF16 / F32 files) too; the byte-decoding matvec of F32 /
@@ -76,7 +79,8 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = False) -> None:
+                 float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = True,
+                 kv_l2: int = 0) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -89,6 +93,7 @@ class TritonOps:
         self.attn_min_split = attn_min_split
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
         self.argmax_fused = argmax_fused
+        self.kv_l2 = kv_l2
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -260,8 +265,14 @@ class TritonOps:
         return ek.embed(w, qtype, ids, out, scale)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-                 out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> torch.Tensor:
-        return dk.rms_norm(x, w, eps, out, out_perm, out_x24)
+                 out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None,
+                 kv_next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """kv_next: the next attention's (k_cache, v_cache, kv_len), prefetched into L2 by this launch where
+        `kv_l2` is set and the step is in the long attention phase (`decode_ops.KVPrefetch`)."""
+        pf = None
+        if kv_next is not None and self.kv_l2 and self.attn_phase > 0:
+            pf = dk.KVPrefetch(*kv_next, stride=self.kv_l2)
+        return dk.rms_norm(x, w, eps, out, out_perm, out_x24, kv_prefetch=pf)
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -328,9 +339,9 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early, max_regs = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, min_split=self.attn_min_split, max_regs=max_regs)
+                    block_n=block_n, num_warps=warps, early=early, min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None

@@ -184,7 +184,7 @@ def test_make_ops_names() -> None:
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
                  "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead", "gupersist",
-                 "gupre"):
+                 "gupre", "attnlongpre", "attnlongk", "argmax1"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -201,7 +201,7 @@ def test_make_ops_names() -> None:
 
     assert t.pdl and make_ops("triton-bytes").pdl and not make_ops("triton-nopdl").pdl
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
-    block_n, _, pps, *_ = t._attn_variant(k, o, 0)
+    block_n, _, pps, _ = t._attn_variant(k, o, 0)
     assert t._attention_scratch(k, o, block_n, pps)[0].shape[1] == dk.attention_splits(
         4096, 16, sm_count(o.device), programs_per_sm=3)
 
@@ -215,7 +215,7 @@ def test_attention_phases() -> None:
     from moerun.kernels.triton_ops import TritonOps
 
     short = dk.ATTN_SHORT
-    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, 1, 0)
+    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 64 positions cover 1,600; 33 with the long variant
     assert dk.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
     assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 1601

@@ -46,6 +46,10 @@ pdl = sys.argv[1] == "1"
 if sys.argv[2] == "rms_norm":  # the weight loaded before the wait
     fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
     types = {"eps": "fp32", "N": "i32"}
+elif sys.argv[2] == "rms_norm_pf":  # with the programs that prefetch the next attention's K / V (`kvl2`)
+    fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": True, "KV_PF": True, "PDL": pdl}
+    types = {"eps": "fp32", "hi_ptr": "*i64", "lo_ptr": "*i32", "k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64"}
+    types |= {p: "i32" for p in ("N", "ROWS", "K_ROW", "V_ROW", "PF_STRIDE")}
 elif sys.argv[2] == "argmax":  # the logits: nothing before the wait
     fn, consts = dk._argmax_chunk_kernel, {"CHUNK": 2048, "PDL": pdl}
     types = {"idx_ptr": "*i32", "V": "i32"}
@@ -81,8 +85,7 @@ elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + ful
     fn = dk._attn_split_kernel
     consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
                   QK_NORM=2, NEOX=1, K_BF16=False, V_BF16=False, BLOCK_FQ=2048, BLOCK_FK=2048, FUSED=True,
-                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128,
-                  EARLY={"attn_short": 1, "attn_long": 0, "attn_longk": 2}[sys.argv[2]], PDL=pdl)
+                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=sys.argv[2] == "attn_short", PDL=pdl)
     types = {"k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64", "cnt_ptr": "*i32", "qk_scale": "fp32",
              "eps": "fp32", "window": "i32", "k_sn": "i32", "k_sh": "i32", "v_sn": "i32", "v_sh": "i32"}
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
@@ -134,18 +137,28 @@ def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     assert (first.start() < wait) == pre
 
 
+def test_rms_norm_kv_prefetch_ptx() -> None:
+    """sm_90 PTX of the RMSNorm with `kvl2`'s prefetch programs: one bulk L2 prefetch a thread after the trigger,
+    none without them; the norm's own loads and stores still after its wait."""
+    ptx = _ptx("rms_norm_pf", True)
+    pf = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)]
+    trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    store = re.search(r"\bst\.global", ptx)
+    assert len(pf) == 1 and 0 <= trig < pf[0] and store is not None and wait < store.start()
+    assert "cp.async.bulk.prefetch" not in _ptx("rms_norm", True)
+
+
 def test_step_boundary_and_attention_pre() -> None:
     """sm_90 PTX with PDL: the step's first kernel (embed) waits before it lets the next launch, so nothing of a step
     starts before the step before has finished; the split attention with RoPE reads the length, waits there only
     with one live split, loads its first K / V tile (16 loads: 8 K and 8 V vectors) before its last wait (the short
-    phase's early tile), or after it (the long phase's), or only its K rows before it (EARLY 2, feature attnlongk),
-    and only then lets the next kernel launch, and stores."""
+    phase's early tile) or after it (the long phase's), and only then lets the next kernel launch, and stores."""
     ptx = _ptx("embed", True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first = re.search(r"\b(ld|st)\.global", ptx)
     assert 0 <= wait < trig and first is not None and wait < first.start()
     tiles = {}
-    for phase in ("short", "long", "longk"):
+    for phase in ("short", "long"):
         ptx = _ptx(f"attn_{phase}", True)
         trig, wait, last = (ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"),
                             ptx.rfind("griddepcontrol.wait"))
@@ -154,7 +167,7 @@ def test_step_boundary_and_attention_pre() -> None:
         assert len(re.findall(r"\bld\.global", ptx[:wait])) == 1, phase  # the length
         tile = len(re.findall(r"\bld\.global", ptx[wait:last]))
         tiles[phase] = tile
-    assert tiles["short"] >= 16 and tiles["long"] == 0 and 2 * tiles["longk"] == tiles["short"], tiles  # K: half
+    assert tiles["short"] >= 16 and tiles["long"] == 0, tiles
 
 
 @pytest.mark.parametrize(("gate_up", "down", "min_loads"), [("gate_up_late", "down_route", 2 * 4 * 2),

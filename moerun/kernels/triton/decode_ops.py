@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
+from moerun.kernels.gpu import gpu
 from moerun.kernels.torch_ops import Route
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
@@ -37,13 +38,49 @@ def _np2(n: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, BLOCK: tl.constexpr,
-                     PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
+def _kv_piece(p, len_ptr, PIECE_ROWS: tl.constexpr, STRIDE):
+    """KV prefetch program p's piece: (0 for the K cache or 1 for V, its first row, whether to prefetch it). The
+    caches' rows are cut into pieces of PIECE_ROWS (one attention tile of every head); programs 2 j and 2 j + 1 take
+    K's and V's piece j STRIDE, and prefetch it only where it lies wholly below the row this step writes (len - 1)."""
+    which = p % 2
+    row0 = (p // 2) * STRIDE * PIECE_ROWS
+    return which, row0, row0 + PIECE_ROWS <= tl.load(len_ptr) - 1
+
+
+@triton.jit
+def _l2_prefetch(base, each, VEC: tl.constexpr):
+    """Hint, no result: VEC ranges of `each` bytes (a multiple of 16) from base (an int8 pointer, 16-byte aligned)
+    into L2, one PTX `cp.async.bulk.prefetch.L2` a thread (sm_90+; nothing waits for it, nothing is held)."""
+    i = tl.arange(0, VEC)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                              [base + i.to(tl.int64) * each, i * 0 + each], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N,
+                     k_ptr, v_ptr, len_ptr, ROWS, K_ROW, V_ROW, PF_STRIDE, BLOCK: tl.constexpr,
+                     PERM: tl.constexpr, X24: tl.constexpr, KV_PF: tl.constexpr = False, ASM: tl.constexpr = True,
+                     PIECE_ROWS: tl.constexpr = 64, VEC: tl.constexpr = 128, PDL: tl.constexpr = False):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
     in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with X24
     quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0). w is loaded before the PDL wait (nothing in
-    a step writes weights: its round trip overlaps the kernel before; NOTES.md 8g), x after it."""
+    a step writes weights: its round trip overlaps the kernel before; NOTES.md 8g), x after it.
+
+    KV_PF: programs from ROWS on prefetch the next attention's K / V cache rows into L2 (k / v: [n_ctx, ...], rows of
+    K_ROW / V_ROW bytes; `_kv_piece`, `_l2_prefetch`; with ASM, else only the choice of rows, for the interpreter)
+    and return: a hint, no wait (earlier steps wrote those rows and the length; NOTES.md 9b)."""
     trigger(PDL)
+    if KV_PF:
+        if tl.program_id(0) >= ROWS:
+            which, row0, live = _kv_piece(tl.program_id(0) - ROWS, len_ptr, PIECE_ROWS, PF_STRIDE)
+            if live & ASM:
+                if which == 0:
+                    _l2_prefetch(k_ptr.to(tl.pointer_type(tl.int8)) + row0.to(tl.int64) * K_ROW,
+                                 PIECE_ROWS * K_ROW // VEC, VEC)
+                else:
+                    _l2_prefetch(v_ptr.to(tl.pointer_type(tl.int8)) + row0.to(tl.int64) * V_ROW,
+                                 PIECE_ROWS * V_ROW // VEC, VEC)
+            return
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -61,21 +98,55 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum
                   32)
 
 
+class KVPrefetch(NamedTuple):
+    """The attention's caches whose rows `rms_norm` prefetches into L2 while it runs: every `stride`-th piece of
+    KV_PIECE_ROWS rows below the row this step writes (kv_len - 1)."""
+
+    k: torch.Tensor  # [n_ctx, Hkv, D], contiguous
+    v: torch.Tensor  # [n_ctx, Hkv, Dv], contiguous
+    kv_len: torch.Tensor  # [1] int: this step's KV length
+    stride: int
+
+
+KV_PIECE_ROWS = ATTN_BLOCK_N = 64  # KV positions per loaded attention tile (and per prefetched piece)
+
+
+def kv_prefetch_programs(n_ctx: int, stride: int, piece_rows: int = KV_PIECE_ROWS) -> int:
+    """How many prefetch programs `rms_norm` adds for `KVPrefetch` (`_kv_piece`): two (K, V) per piece taken."""
+    return 2 * -(-(n_ctx // piece_rows) // stride)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_x24: Any = None,
+             kv_prefetch: KVPrefetch | None = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
     out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_x24 (an
-    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels."""
+    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels.
+    kv_prefetch: also `kv_prefetch_programs` programs that prefetch those cache rows into L2 (a hint: on CUDA with
+    compute capability 9.0+, PTX cp.async.bulk.prefetch; elsewhere they only choose the rows; none where a piece of
+    the caches' rows does not split into one 16-byte-multiple range a thread)."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
     if out_perm is not None and n % 256:
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
     xa = x24_args(out_x24, n, "out_x24", out)
-    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
-                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
-                              num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
+    warps = 8 if block >= 4096 else 4
+    pf, kv, pf_args = 0, (x, x, x), (0, 0, 1)
+    if kv_prefetch is not None:
+        k, v, kv_len, stride = kv_prefetch
+        rb = (k[0].numel() * k.element_size(), v[0].numel() * v.element_size())
+        if not (k.is_contiguous() and v.is_contiguous() and stride >= 1):
+            raise ValueError("kv_prefetch needs contiguous caches and a stride >= 1")
+        if not any(KV_PIECE_ROWS * b % (16 * 32 * warps) for b in rb):
+            pf, kv, pf_args = kv_prefetch_programs(k.shape[0], stride), (k, v, kv_len), (*rb, stride)
+    _rms_norm_kernel[(rows + pf,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
+                                   *kv, rows, *pf_args, BLOCK=block, PERM=out_perm is not None,
+                                   X24=out_x24 is not None, KV_PF=pf > 0,
+                                   ASM=x.is_cuda and gpu(x.device).capability >= (9, 0),
+                                   PIECE_ROWS=KV_PIECE_ROWS, VEC=32 * warps, num_warps=warps,
+                                   **launch_args(x.device))
     return out
 
 
@@ -256,7 +327,6 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # Flash-decoding attention
 # ----------------------------------------------------------------------------------------------------------------------
 
-ATTN_BLOCK_N = 64  # KV positions per loaded tile
 # the fewest KV positions a split takes while the live length leaves splits idle: 64 (one tile) against 128, H100
 # Q4_K_M tg128 @ d512 +7.3%, F16 +4.2%, other depths within noise (NOTES.md 8t)
 ATTN_MIN_SPLIT = 64
@@ -267,13 +337,12 @@ ATTN_PROGRAMS_PER_SM = 3
 
 
 # attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
-# split policy aims at, which of the first tile's rows load with the prologue's (`_attn_split_kernel` EARLY: 1 K and V,
-# 0 none, 2 K), the most registers a thread may take (ptxas's maxnreg, spilling past it; 0: no cap))
-AttnVariant = tuple[int, int, int, int, int]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, 1, 0)
+# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY))
+AttnVariant = tuple[int, int, int, bool]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, 0, 0)
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -359,7 +428,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        ROPE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
-                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = 1,
+                       X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
                        PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
@@ -380,13 +449,13 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     The chunk's first K / V tile is loaded with the prologue's loads, one dependent round trip after the length
     instead of three (length; q / k / v and the RoPE row; the stored row read back); with ROPE the row at len-1 in
     that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
-    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a). EARLY 0 (with ROPE):
+    so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a). EARLY False (with ROPE):
     the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
-    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); EARLY 2 (with ROPE): its
-    K rows with the prologue's loads, its V rows after the prologue (NOTES.md 8z); the same arithmetic.
+    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic. (Its
+    first tile, or its K rows, before the PDL wait under a 128-register cap lost 2-4% at depth 4096: NOTES.md 9a.)
 
     PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more than one
-    live split the first tile's loads (EARLY; its K rows with EARLY 2) too: only earlier steps write the length and the
+    live split the first tile's loads (EARLY) too: only earlier steps write the length and the
     rows before len-1 (the step's first kernel waits for the step before, `_embed_kernel`), and the row len-1 comes from
     registers or after the store. With one live split (a short context) the wait comes before the tile (NOTES.md 8o).
     The next kernel may launch only after the wait (launched at once, its programs took the SMs the q/k/v product's
@@ -412,10 +481,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     dv = tl.arange(0, BLOCK_DV)
     k_base = k_ptr + kvh * k_sh
     v_base = v_ptr + kvh * v_sh
-    if EARLY == 1 or not ROPE:
+    if EARLY or not ROPE:
         kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
-    elif EARLY == 2:
-        kt = _kv_rows(k_base, lo, hi, k_sn, d, D, BLOCK_N)  # the first tile's K rows, with q's loads
     if ROPE:
         wait(PDL)  # q, k, v: this step's (a no-op where it came above)
         trigger(PDL)
@@ -443,12 +510,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
             if pos >= lo + BLOCK_N:  # the loop below reads the row back (the first tile takes it from registers)
                 tl.debug_barrier()
         q = q * qk_scale
-        if EARLY == 0:
+        if not EARLY:
             tl.debug_barrier()  # the prologue's values dead before the tile's loads are issued
             kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-        elif EARLY == 2:
-            tl.debug_barrier()
-            vt = _kv_rows(v_base, lo, hi, v_sn, dv, DV, BLOCK_N)
     else:
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     m_i = -float("inf")
@@ -568,7 +632,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: int = 1, max_regs: int = 0) -> torch.Tensor:
+                     early: bool = True) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -583,10 +647,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     counters: int32 zeros [>= H] (left zero): the split launch also does the reduce (the last program of each head
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
-    early (with rope): the first K / V tile loaded with the prologue's loads (1, the default), after it (0), or its K
-    rows with them and its V rows after (2) (`_attn_split_kernel` EARLY); max_regs > 0: the split kernel compiled to at
-    most that many registers a thread (spilling past it; on CUDA); with rope and PDL the length and, with several
-    live splits, the first tile (early) come before the PDL wait, its trigger after it.
+    early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
+    (`_attn_split_kernel` EARLY); with rope and PDL the length and, with several live splits, the first tile
+    (early) come before the PDL wait, its trigger after it.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
@@ -621,9 +684,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=int(early),
-            num_warps=num_warps, **launch_args(q.device),
-            **({"maxnreg": max_regs} if max_regs > 0 and q.is_cuda else {}))
+            **rconst, FUSED=fused, **oconst, EARLY=bool(early),
+            num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
                                   BLOCK_DV=_np2(dv), **oconst, num_warps=4)
