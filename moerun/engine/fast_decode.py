@@ -193,8 +193,7 @@ class FastDecoder:
         swa = cfg.swa_layers[i]
         runs = L["qkv_runs"]
         xp, x24 = L["attn_norm_outs"]
-        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24,
-                     kv_next=(self.cache.k[i], self.cache.v[i], self.kv_len))  # a hint: `kv_l2`
+        ops.rms_norm(self.x, L["attn_norm"], cfg.rms_eps, self.xn, out_perm=xp, out_x24=x24)
         # q, k and v: one product per run of matrices of one type (ops may launch two runs together)
         ops.qmatvecs([(m.raw, m.qtype, self.qkv[a:b]) for m, a, b in runs], self.xn, x_perm=xp, x24=x24)
         wo = L["attn_output"]

@@ -24,15 +24,8 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {
-    "kvl2": "in the long attention phase each layer's RMSNorm launch also prefetches the first tile of every "
-            "128 cache positions of that layer's K / V into L2 (sm_90 bulk prefetch; NOTES.md 9b)",
-    "kvl2all": "the same for every tile below this step's row (NOTES.md 9b)",
-}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {
-    "kvl2": {"kv_l2": 2},
-    "kvl2all": {"kv_l2": 1},
-}
+FEATURES: dict[str, str] = {}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
 # matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)

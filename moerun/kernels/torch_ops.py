@@ -168,9 +168,8 @@ class TorchOps:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-                 out_perm: torch.Tensor | None = None, out_x24: Any = None, kv_next: Any = None) -> torch.Tensor:
-        """out [N] = x * rsqrt(mean(x^2) + eps) * w (and into out_perm in permute_k4 order; out_x24 and kv_next, a
-        prefetch hint, unused)."""
+                 out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
+        """out [N] = x * rsqrt(mean(x^2) + eps) * w (and into out_perm in permute_k4 order; out_x24 unused)."""
         out.copy_(ref.rms_norm(x, w, eps))
         if out_perm is not None:
             out_perm.copy_(permute_k4(out))

@@ -62,8 +62,6 @@ class TritonOps:
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
-    kv_l2: in the long attention phase, each layer's RMSNorm before its q/k/v product also prefetches every kv_l2-th
-    tile-sized piece of that layer's K / V cache into L2 (`decode_ops.KVPrefetch`; 0: none).
     argmax_fused: greedy sampling's argmax in one launch, the last chunk program reducing (`decode_ops.argmax` counter;
     H100 Q4_K_M tg128 +0.6%, @ d4096 +0.4%, NOTES.md 9a); False: a chunk launch and a reduce launch.
 
@@ -79,8 +77,7 @@ class TritonOps:
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
                  attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
-                 float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = True,
-                 kv_l2: int = 0) -> None:
+                 float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
         self.attn_fused = attn_fused
@@ -93,7 +90,6 @@ class TritonOps:
         self.attn_min_split = attn_min_split
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
         self.argmax_fused = argmax_fused
-        self.kv_l2 = kv_l2
         self.attn_phase = 0  # which of `attention_phases` the step being launched is in (the fast step sets it)
         self._repack_warned = False
         self._rope: dict[tuple, torch.Tensor] = {}
@@ -265,14 +261,8 @@ class TritonOps:
         return ek.embed(w, qtype, ids, out, scale)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-                 out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None,
-                 kv_next: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """kv_next: the next attention's (k_cache, v_cache, kv_len), prefetched into L2 by this launch where
-        `kv_l2` is set and the step is in the long attention phase (`decode_ops.KVPrefetch`)."""
-        pf = None
-        if kv_next is not None and self.kv_l2 and self.attn_phase > 0:
-            pf = dk.KVPrefetch(*kv_next, stride=self.kv_l2)
-        return dk.rms_norm(x, w, eps, out, out_perm, out_x24, kv_prefetch=pf)
+                 out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> torch.Tensor:
+        return dk.rms_norm(x, w, eps, out, out_perm, out_x24)
 
     @staticmethod
     def router(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,7 @@ def test_make_ops_names() -> None:
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
                  "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead", "gupersist",
-                 "gupre", "attnlongpre", "attnlongk", "argmax1"):
+                 "gupre", "attnlongpre", "attnlongk", "argmax1", "kvl2", "kvl2all"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")

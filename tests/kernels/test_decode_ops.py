@@ -14,8 +14,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from support.kernel_checks import DEV, RTOL, close, nan, randn  # noqa: E402
 
 from moerun.kernels import reference as ref  # noqa: E402
@@ -61,46 +59,6 @@ def test_rms_norm_x24(gen: torch.Generator, n: int) -> None:
     ops.rms_norm(x, w, 1e-6, out, out_x24=x24)
     close(out, ref.rms_norm(x, w, 1e-6))
     check_x24(x24, out)
-
-
-@pytest.mark.parametrize("kv_len,stride", [(1, 1), (65, 1), (200, 2), (300, 1), (300, 3)])
-def test_rms_norm_kv_prefetch(gen: torch.Generator, kv_len: int, stride: int) -> None:
-    """With kv_prefetch the launch has prefetch programs after its rows (L2 hints on an sm_90 GPU): the rows' output
-    and quantization as without them, the caches untouched; caches whose pieces do not split evenly get none."""
-    x, w = randn(gen, 2048, scale=3.0), randn(gen, 2048)
-    for hkv, d in ((2, 64), (1, 24)):  # 64 rows of 256 bytes: 128 ranges of 128 bytes; of 48 bytes: none
-        k, v = randn(gen, 300, hkv, d).half(), randn(gen, 300, hkv, d).half()
-        k0, v0 = k.clone(), v.clone()
-        pf = ops.KVPrefetch(k, v, torch.tensor([kv_len], device=DEV), stride)
-        out, x24 = nan(2048), poisoned_x24(2048)
-        ops.rms_norm(x, w, 1e-6, out, out_x24=x24, kv_prefetch=pf)
-        close(out, ref.rms_norm(x, w, 1e-6))
-        check_x24(x24, out)
-        assert torch.equal(k, k0) and torch.equal(v, v0)
-    assert ops.kv_prefetch_programs(300, 1) == 8 and ops.kv_prefetch_programs(300, 3) == 4
-
-
-@triton.jit
-def _kv_pieces_kernel(len_ptr, out_ptr, STRIDE, PIECE_ROWS: tl.constexpr):
-    which, row0, live = ops._kv_piece(tl.program_id(0), len_ptr, PIECE_ROWS, STRIDE)
-    tl.store(out_ptr + 3 * tl.program_id(0) + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, which,
-             tl.where(tl.arange(0, 4) == 1, row0, live.to(tl.int32))), mask=tl.arange(0, 4) < 3)
-
-
-@pytest.mark.parametrize("n_ctx,kv_len,stride", [(4224, 4097, 2), (4224, 4097, 1), (300, 130, 2), (300, 1, 1),
-                                                 (256, 256, 1)])
-def test_kv_prefetch_pieces(n_ctx: int, kv_len: int, stride: int) -> None:
-    """The prefetch programs' pieces (`_kv_piece`): K and V alternate, piece j of every stride-th, each taken only
-    where it lies wholly below the row this step writes (kv_len - 1), every such piece taken, none past the cache."""
-    n = ops.kv_prefetch_programs(n_ctx, stride)
-    got = torch.full((3 * n + 1,), -7, dtype=torch.int32, device=DEV)
-    _kv_pieces_kernel[(n,)](torch.tensor([kv_len], device=DEV), got, stride, PIECE_ROWS=ops.KV_PIECE_ROWS)
-    got = got[:-1].view(n, 3).cpu().tolist()
-    want = [[p % 2, (p // 2) * stride * 64, int((p // 2) * stride * 64 + 64 <= kv_len - 1)] for p in range(n)]
-    assert got == want
-    taken = {(wh, r) for wh, r, live in got if live}
-    assert taken == {(wh, j * 64) for j in range(0, (kv_len - 1) // 64, stride) for wh in (0, 1)}
-    assert all(r + 64 <= n_ctx for _, r in taken)
 
 
 def test_rms_norm_rows(gen: torch.Generator) -> None:

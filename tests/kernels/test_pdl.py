@@ -46,10 +46,6 @@ pdl = sys.argv[1] == "1"
 if sys.argv[2] == "rms_norm":  # the weight loaded before the wait
     fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
     types = {"eps": "fp32", "N": "i32"}
-elif sys.argv[2] == "rms_norm_pf":  # with the programs that prefetch the next attention's K / V (`kvl2`)
-    fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": True, "KV_PF": True, "PDL": pdl}
-    types = {"eps": "fp32", "hi_ptr": "*i64", "lo_ptr": "*i32", "k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64"}
-    types |= {p: "i32" for p in ("N", "ROWS", "K_ROW", "V_ROW", "PF_STRIDE")}
 elif sys.argv[2] == "argmax":  # the logits: nothing before the wait
     fn, consts = dk._argmax_chunk_kernel, {"CHUNK": 2048, "PDL": pdl}
     types = {"idx_ptr": "*i32", "V": "i32"}
@@ -135,17 +131,6 @@ def test_wait_before_the_first_access(kernel: str, on: bool) -> None:
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     assert 0 <= trig < wait < store.start()
     assert (first.start() < wait) == pre
-
-
-def test_rms_norm_kv_prefetch_ptx() -> None:
-    """sm_90 PTX of the RMSNorm with `kvl2`'s prefetch programs: one bulk L2 prefetch a thread after the trigger,
-    none without them; the norm's own loads and stores still after its wait."""
-    ptx = _ptx("rms_norm_pf", True)
-    pf = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)]
-    trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-    store = re.search(r"\bst\.global", ptx)
-    assert len(pf) == 1 and 0 <= trig < pf[0] and store is not None and wait < store.start()
-    assert "cp.async.bulk.prefetch" not in _ptx("rms_norm", True)
 
 
 def test_step_boundary_and_attention_pre() -> None:

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from moerun.kernels import reference as ref
-from moerun.kernels.gpu import gpu
 from moerun.kernels.torch_ops import Route
 from moerun.kernels.triton.outputs import perm_slot, store_x24, x24_args
 from moerun.kernels.triton.pdl import begin, launch_args, trigger, wait
@@ -38,49 +37,13 @@ def _np2(n: int) -> int:
 
 
 @triton.jit
-def _kv_piece(p, len_ptr, PIECE_ROWS: tl.constexpr, STRIDE):
-    """KV prefetch program p's piece: (0 for the K cache or 1 for V, its first row, whether to prefetch it). The
-    caches' rows are cut into pieces of PIECE_ROWS (one attention tile of every head); programs 2 j and 2 j + 1 take
-    K's and V's piece j STRIDE, and prefetch it only where it lies wholly below the row this step writes (len - 1)."""
-    which = p % 2
-    row0 = (p // 2) * STRIDE * PIECE_ROWS
-    return which, row0, row0 + PIECE_ROWS <= tl.load(len_ptr) - 1
-
-
-@triton.jit
-def _l2_prefetch(base, each, VEC: tl.constexpr):
-    """Hint, no result: VEC ranges of `each` bytes (a multiple of 16) from base (an int8 pointer, 16-byte aligned)
-    into L2, one PTX `cp.async.bulk.prefetch.L2` a thread (sm_90+; nothing waits for it, nothing is held)."""
-    i = tl.arange(0, VEC)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [base + i.to(tl.int64) * each, i * 0 + each], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N,
-                     k_ptr, v_ptr, len_ptr, ROWS, K_ROW, V_ROW, PF_STRIDE, BLOCK: tl.constexpr,
-                     PERM: tl.constexpr, X24: tl.constexpr, KV_PF: tl.constexpr = False, ASM: tl.constexpr = True,
-                     PIECE_ROWS: tl.constexpr = 64, VEC: tl.constexpr = 128, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum_ptr, eps, N, BLOCK: tl.constexpr,
+                     PERM: tl.constexpr, X24: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program. x: [rows, N] f32, w: [N] f32 -> out: [rows, N] f32 (and with PERM the same row
     in the word kernels' order, wmatvec.permute_k4: element 256 b + 4 a + k at slot 256 b + 64 k + a; with X24
     quantized for the integer-dot kernels, imatvec.X24, N % 32 == 0). w is loaded before the PDL wait (nothing in
-    a step writes weights: its round trip overlaps the kernel before; NOTES.md 8g), x after it.
-
-    KV_PF: programs from ROWS on prefetch the next attention's K / V cache rows into L2 (k / v: [n_ctx, ...], rows of
-    K_ROW / V_ROW bytes; `_kv_piece`, `_l2_prefetch`; with ASM, else only the choice of rows, for the interpreter)
-    and return: a hint, no wait (earlier steps wrote those rows and the length; NOTES.md 9b)."""
+    a step writes weights: its round trip overlaps the kernel before; NOTES.md 8g), x after it."""
     trigger(PDL)
-    if KV_PF:
-        if tl.program_id(0) >= ROWS:
-            which, row0, live = _kv_piece(tl.program_id(0) - ROWS, len_ptr, PIECE_ROWS, PF_STRIDE)
-            if live & ASM:
-                if which == 0:
-                    _l2_prefetch(k_ptr.to(tl.pointer_type(tl.int8)) + row0.to(tl.int64) * K_ROW,
-                                 PIECE_ROWS * K_ROW // VEC, VEC)
-                else:
-                    _l2_prefetch(v_ptr.to(tl.pointer_type(tl.int8)) + row0.to(tl.int64) * V_ROW,
-                                 PIECE_ROWS * V_ROW // VEC, VEC)
-            return
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -98,55 +61,21 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, perm_ptr, hi_ptr, lo_ptr, s_ptr, sum
                   32)
 
 
-class KVPrefetch(NamedTuple):
-    """The attention's caches whose rows `rms_norm` prefetches into L2 while it runs: every `stride`-th piece of
-    KV_PIECE_ROWS rows below the row this step writes (kv_len - 1)."""
-
-    k: torch.Tensor  # [n_ctx, Hkv, D], contiguous
-    v: torch.Tensor  # [n_ctx, Hkv, Dv], contiguous
-    kv_len: torch.Tensor  # [1] int: this step's KV length
-    stride: int
-
-
-KV_PIECE_ROWS = ATTN_BLOCK_N = 64  # KV positions per loaded attention tile (and per prefetched piece)
-
-
-def kv_prefetch_programs(n_ctx: int, stride: int, piece_rows: int = KV_PIECE_ROWS) -> int:
-    """How many prefetch programs `rms_norm` adds for `KVPrefetch` (`_kv_piece`): two (K, V) per piece taken."""
-    return 2 * -(-(n_ctx // piece_rows) // stride)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             out_perm: torch.Tensor | None = None, out_x24: Any = None,
-             kv_prefetch: KVPrefetch | None = None) -> torch.Tensor:
+             out_perm: torch.Tensor | None = None, out_x24: Any = None) -> torch.Tensor:
     """out = x * rsqrt(mean(x^2) + eps) * w. x: [N] or [rows, N] f32 contiguous, w: [N] f32, out like x (N <= 16384).
 
     out_perm (like out, N % 256 == 0): also receives the result in wmatvec.permute_k4 order; out_x24 (an
-    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels.
-    kv_prefetch: also `kv_prefetch_programs` programs that prefetch those cache rows into L2 (a hint: on CUDA with
-    compute capability 9.0+, PTX cp.async.bulk.prefetch; elsewhere they only choose the rows; none where a piece of
-    the caches' rows does not split into one 16-byte-multiple range a thread)."""
+    imatvec.X24 like out, N % 32 == 0): the result quantized for the integer-dot kernels."""
     n = x.shape[-1]
     rows = x.numel() // n
     block = _np2(n)
     if out_perm is not None and n % 256:
         raise ValueError(f"out_perm needs N % 256 == 0, got N = {n}")
     xa = x24_args(out_x24, n, "out_x24", out)
-    warps = 8 if block >= 4096 else 4
-    pf, kv, pf_args = 0, (x, x, x), (0, 0, 1)
-    if kv_prefetch is not None:
-        k, v, kv_len, stride = kv_prefetch
-        rb = (k[0].numel() * k.element_size(), v[0].numel() * v.element_size())
-        if not (k.is_contiguous() and v.is_contiguous() and stride >= 1):
-            raise ValueError("kv_prefetch needs contiguous caches and a stride >= 1")
-        if not any(KV_PIECE_ROWS * b % (16 * 32 * warps) for b in rb):
-            pf, kv, pf_args = kv_prefetch_programs(k.shape[0], stride), (k, v, kv_len), (*rb, stride)
-    _rms_norm_kernel[(rows + pf,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
-                                   *kv, rows, *pf_args, BLOCK=block, PERM=out_perm is not None,
-                                   X24=out_x24 is not None, KV_PF=pf > 0,
-                                   ASM=x.is_cuda and gpu(x.device).capability >= (9, 0),
-                                   PIECE_ROWS=KV_PIECE_ROWS, VEC=32 * warps, num_warps=warps,
-                                   **launch_args(x.device))
+    _rms_norm_kernel[(rows,)](x, w, out, out if out_perm is None else out_perm, *xa, float(eps), n,
+                              BLOCK=block, PERM=out_perm is not None, X24=out_x24 is not None,
+                              num_warps=8 if block >= 4096 else 4, **launch_args(x.device))
     return out
 
 
@@ -327,6 +256,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # Flash-decoding attention
 # ----------------------------------------------------------------------------------------------------------------------
 
+ATTN_BLOCK_N = 64  # KV positions per loaded tile
 # the fewest KV positions a split takes while the live length leaves splits idle: 64 (one tile) against 128, H100
 # Q4_K_M tg128 @ d512 +7.3%, F16 +4.2%, other depths within noise (NOTES.md 8t)
 ATTN_MIN_SPLIT = 64
