@@ -155,13 +155,14 @@ for stage in "$@"; do
         python3 benchmarks/sanitize_step.py ${SANITIZE_ARGS:-} > "$OUT/sanitize-$tool.txt" 2>&1
       echo "compute-sanitizer $tool: exit $?" | tee -a "$LOG"; grep -v "^Warning\|UserWarning\|warnings.warn" \
         "$OUT/sanitize-$tool.txt" | tail -25 | tee -a "$LOG" ;;
-    ncu:*)  # hardware counters of one eager decode step (Firecracker machines; --clock-control none: METHOD.md)
+    ncu:*)  # hardware counters of one eager decode step (Firecracker machines; --clock-control none: METHOD.md);
+      # NCU_DEPTH: tokens prefilled first (default 16), so the attention runs at that depth
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
       [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
         2>&1 | tail -1
       timeout 400 "$NCU" --profile-from-start off --clock-control none --csv --page raw \
         --metrics "$(python3 benchmarks/ncu_step.py --metrics)" python3 benchmarks/ncu_step.py "$f" \
-        > "$OUT/ncu-$t.csv" 2> "$OUT/ncu-$t.err"; tail -3 "$OUT/ncu-$t.err" | tee -a "$LOG"
+        --depth "${NCU_DEPTH:-16}" > "$OUT/ncu-$t.csv" 2> "$OUT/ncu-$t.err"; tail -3 "$OUT/ncu-$t.err" | tee -a "$LOG"
       python3 benchmarks/ncu_step.py --summarise "$OUT/ncu-$t.csv" 2>&1 | tee -a "$LOG" ;;
     decodetests)  # DECODE_TESTS_K: a pytest -k filter (e.g. "not unpadded and not bytes" for a shorter run)
       MOERUN_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \

@@ -3,8 +3,9 @@
     ncu --profile-from-start off --csv --page raw --metrics ... python benchmarks/ncu_step.py MODEL.gguf
     python benchmarks/ncu_step.py --summarise ncu.csv      # per-kernel table of the metrics, for NOTES.md
 
-Prefills 16 tokens, decodes 4 warm-up steps eagerly (fast ops, no CUDA graph: ncu replays each kernel), then
-decodes `--steps` steps between cudaProfilerStart and cudaProfilerStop.
+Prefills 16 tokens (`--depth D`: D, in a context of D + 64, so the steps run the attention at that depth, in its
+phase's variant), decodes 4 warm-up steps eagerly (fast ops, no CUDA graph: ncu replays each kernel), then decodes
+`--steps` steps between cudaProfilerStart and cudaProfilerStop.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=16, help="tokens prefilled before the profiled steps")
     ap.add_argument("--metrics", action="store_true", help="print the --metrics list for ncu and exit")
     ap.add_argument("--summarise", metavar="CSV", help="summarise ncu's --csv --page raw output and exit")
     args = ap.parse_args()
@@ -102,8 +104,10 @@ def main() -> None:
 
     from moerun.engine.engine import Engine
 
-    eng = Engine(args.model, n_ctx=512, fast=True, graph=False)
-    tok = eng.prefill(list(range(1, 17)))
+    if args.depth < 1:
+        sys.exit(f"ncu_step.py: --depth must be at least 1, got {args.depth}")
+    eng = Engine(args.model, n_ctx=max(512, args.depth + 64), fast=True, graph=False)
+    tok = eng.prefill([1 + i % 1000 for i in range(args.depth)])
     for _ in range(4):
         tok = eng.decode(tok)
     torch.cuda.synchronize()
