@@ -24,8 +24,16 @@ BASES: dict[str, dict[str, Any]] = {
     "triton-nopdl": {"pdl": False},  # plain launches: for profiles (with PDL a kernel's time includes its wait)
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
-FEATURES: dict[str, str] = {}
-FEATURE_ARGS: dict[str, dict[str, Any]] = {}
+FEATURES: dict[str, str] = {
+    "ahead32": "the long attention phase on tiles of 32 positions, each next tile's loads issued before the tile "
+               "before's arithmetic (126 registers: 4 programs per SM; NOTES.md 9c)",
+    "ahead64": "the long attention phase's next 64-position tile loaded before the tile before's arithmetic "
+               "(221 registers: 2 programs per SM, splits of twice the positions; NOTES.md 9c)",
+}
+FEATURE_ARGS: dict[str, dict[str, Any]] = {
+    "ahead32": {"attn_long": (32, 4, 4, False, True)},
+    "ahead64": {"attn_long": (64, 4, 2, False, True)},
+}
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
 # matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)

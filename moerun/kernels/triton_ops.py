@@ -51,7 +51,8 @@ class TritonOps:
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
-    programs per SM its split policy aims at, first tile with the RoPE prologue's loads) for the phases of the context's
+    programs per SM its split policy aims at, first tile with the RoPE prologue's loads, next tiles' loads ahead of the
+    tile before's arithmetic) for the phases of the context's
     length (`attention_phases`; the fast step captures a graph per phase): short from length 1 (`decode_ops.ATTN_SHORT`:
     the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long (default `decode_ops.ATTN_LONG`:
     the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%,
@@ -297,8 +298,9 @@ class TritonOps:
         (where there is one) after it."""
         table = [(1, self.attn_short)]
         if self.attn_long is not None:
+            # where the default long variant would start, whichever long variant runs there
             start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), self.attn_short,
-                                                                  self.attn_long, self.attn_min_split)
+                                                                  dk.ATTN_LONG, self.attn_min_split)
             if start is not None and start > 1:
                 table.append((start, self.attn_long))
         return table
@@ -329,9 +331,9 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early, ahead = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, min_split=self.attn_min_split)
+                    block_n=block_n, num_warps=warps, early=early, ahead=ahead, min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None

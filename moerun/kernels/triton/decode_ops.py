@@ -267,12 +267,13 @@ ATTN_PROGRAMS_PER_SM = 3
 
 
 # attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
-# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY))
-AttnVariant = tuple[int, int, int, bool]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True)
+# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), each next tile's loads
+# before the tile before's arithmetic (AHEAD))
+AttnVariant = tuple[int, int, int, bool, bool]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False)
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -359,7 +360,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
                        X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
-                       PDL: tl.constexpr = False):
+                       AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -381,7 +382,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     that tile is this step's k / v from registers, cast to the cache's dtype (what the store and a load back give),
     so no barrier waits for the store unless a later tile holds the row (NOTES.md 7z, 8a). EARLY False (with ROPE):
     the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
-    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic. (Its
+    first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic.
+    AHEAD: the second tile's loads are issued after the prologue, before the first tile's arithmetic, and in the loop
+    each next tile's before the current one's (a register double buffer; the same arithmetic; NOTES.md 9c). (Its
     first tile, or its K rows, before the PDL wait under a 128-register cap lost 2-4% at depth 4096: NOTES.md 9a.)
 
     PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more than one
@@ -448,6 +451,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    n0 = lo + BLOCK_N
+    if AHEAD:  # the second tile's loads before the first tile's arithmetic (after the prologue's store)
+        kn, vn = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
     # the first tile, loaded above (an empty chunk: what the loop would leave, m -inf, l 0, acc 0)
     n = lo + tl.arange(0, BLOCK_N)
     kt = kt.to(tl.float32)
@@ -461,12 +467,19 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     m_i = tl.where(some, m1, m_i)
     l_i = tl.where(some, l1, l_i)
     acc = tl.where(some, a1, acc)
-    n0 = lo + BLOCK_N
-    while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
-        k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-        m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
-                                   acc)
-        n0 += BLOCK_N
+    if AHEAD:  # each tile's arithmetic with the next tile's loads in flight (a register double buffer)
+        while n0 < hi:
+            k, v = kn, vn
+            kn, vn = _kv_tile(k_base, v_base, n0 + BLOCK_N, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi,
+                                       m_i, l_i, acc)
+            n0 += BLOCK_N
+    else:
+        while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
+            k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi,
+                                       m_i, l_i, acc)
+            n0 += BLOCK_N
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
         _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
     else:
@@ -562,7 +575,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True) -> torch.Tensor:
+                     early: bool = True, ahead: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -578,7 +591,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
-    (`_attn_split_kernel` EARLY); with rope and PDL the length and, with several live splits, the first tile
+    (`_attn_split_kernel` EARLY); ahead: each next tile's loads issued before the tile before's arithmetic
+    (AHEAD); with rope and PDL the length and, with several live splits, the first tile
     (early) come before the PDL wait, its trigger after it.
     """
     h, d = q.shape
@@ -614,7 +628,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             win, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), *rargs,
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
-            **rconst, FUSED=fused, **oconst, EARLY=bool(early),
+            **rconst, FUSED=fused, **oconst, EARLY=bool(early), AHEAD=bool(ahead),
             num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
