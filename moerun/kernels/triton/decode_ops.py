@@ -467,19 +467,15 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     m_i = tl.where(some, m1, m_i)
     l_i = tl.where(some, l1, l_i)
     acc = tl.where(some, a1, acc)
-    if AHEAD:  # each tile's arithmetic with the next tile's loads in flight (a register double buffer)
-        while n0 < hi:
+    while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
+        if AHEAD:  # this tile's arithmetic with the next tile's loads in flight (a register double buffer)
             k, v = kn, vn
             kn, vn = _kv_tile(k_base, v_base, n0 + BLOCK_N, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi,
-                                       m_i, l_i, acc)
-            n0 += BLOCK_N
-    else:
-        while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
+        else:
             k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi,
-                                       m_i, l_i, acc)
-            n0 += BLOCK_N
+        m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
+                                   acc)
+        n0 += BLOCK_N
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
         _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
     else:
@@ -591,9 +587,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     combines its partials, `_attn_combine`; the same arithmetic), one launch less again.
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
-    (`_attn_split_kernel` EARLY); ahead: each next tile's loads issued before the tile before's arithmetic
-    (AHEAD); with rope and PDL the length and, with several live splits, the first tile
-    (early) come before the PDL wait, its trigger after it.
+    (`_attn_split_kernel` EARLY); ahead: each next tile's loads issued before the tile before's arithmetic (AHEAD);
+    with rope and PDL the length and, with several live splits, the first tile (early) come before the PDL wait, its
+    trigger after it.
     """
     h, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[2]
