@@ -11,6 +11,7 @@
 #   ab:TYPE (tg128 of package trees abtree/NAME, NAME in AB_TREES, alternating; the synthesized file is kept),
 #   ncu:TYPE (Nsight Compute counters of one eager OLMoE decode step, per kernel: benchmarks/ncu_step.py),
 #   sanitize:TOOL (compute-sanitizer memcheck / racecheck / synccheck over tiny models' eager decode steps),
+#   sanitizetest:TOOL:EXPR (compute-sanitizer TOOL over the CUDA kernel tests tests/kernels -k EXPR),
 #   abops:TYPE:OPS,OPS,... (benchmarks/ab_ops.sh: same-call A/B of decode ops variants on synthesized OLMoE TYPE,
 #   the file kept for the next call; rm:TYPE deletes it),
 #   ab1:TYPE:OPS,OPS,... (the same in one process: `moerun bench --ops A,B --rounds $ROUNDS`, the summary table;
@@ -155,6 +156,13 @@ for stage in "$@"; do
         python3 benchmarks/sanitize_step.py ${SANITIZE_ARGS:-} > "$OUT/sanitize-$tool.txt" 2>&1
       echo "compute-sanitizer $tool: exit $?" | tee -a "$LOG"; grep -v "^Warning\|UserWarning\|warnings.warn" \
         "$OUT/sanitize-$tool.txt" | tail -25 | tee -a "$LOG" ;;
+    sanitizetest:*)  # sanitizetest:TOOL:EXPR: compute-sanitizer TOOL over the CUDA kernel tests tests/kernels -k EXPR
+      # (the attention's multi-tile chunks and every long variant, which sanitize:TOOL's 64-token steps never reach)
+      spec=${stage#*:}; tool=${spec%%:*}; CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer | head -1)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 500 "$CS" --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        python3 -m pytest -q -x tests/kernels -k "${spec#*:}" > "$OUT/sanitizetest-$tool.txt" 2>&1
+      echo "compute-sanitizer $tool over pytest -k '${spec#*:}': exit $?" | tee -a "$LOG"
+      grep -v "^Warning\|UserWarning\|warnings.warn" "$OUT/sanitizetest-$tool.txt" | tail -12 | tee -a "$LOG" ;;
     ncu:*)  # hardware counters of one eager decode step (Firecracker machines; --clock-control none: METHOD.md);
       # NCU_DEPTH: tokens prefilled first (default 16), so the attention runs at that depth
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
