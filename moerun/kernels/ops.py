@@ -29,10 +29,19 @@ FEATURES: dict[str, str] = {
                "before's arithmetic (126 registers: 4 programs per SM; NOTES.md 9c)",
     "ahead64": "the long attention phase's next 64-position tile loaded before the tile before's arithmetic "
                "(221 registers: 2 programs per SM, splits of twice the positions; NOTES.md 9c)",
+    "dot32": "the long attention phase's q.k and p.v on the tensor cores (f16 caches), tiles of 32 positions (114 "
+             "registers: 4 programs per SM; NOTES.md 9e)",
+    "dot64": "the long attention phase's q.k and p.v on the tensor cores (f16 caches), tiles of 64 positions (166 "
+             "registers: 3 programs per SM; NOTES.md 9e)",
+    "dot32a": "dot32 with each next tile's loads before the tile before's arithmetic (162 registers: 3 programs per "
+              "SM; NOTES.md 9e)",
 }
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
-    "ahead32": {"attn_long": (32, 4, 4, False, True)},
-    "ahead64": {"attn_long": (64, 4, 2, False, True)},
+    "ahead32": {"attn_long": (32, 4, 4, False, True, False)},
+    "ahead64": {"attn_long": (64, 4, 2, False, True, False)},
+    "dot32": {"attn_long": (32, 4, 4, False, False, True)},
+    "dot64": {"attn_long": (64, 4, 3, False, False, True)},
+    "dot32a": {"attn_long": (32, 4, 3, False, True, True)},
 }
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a

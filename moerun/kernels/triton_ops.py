@@ -331,9 +331,10 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early, ahead = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early, ahead, dot = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, ahead=ahead, min_split=self.attn_min_split)
+                    block_n=block_n, num_warps=warps, early=early, ahead=ahead, dot=dot,
+                    min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None

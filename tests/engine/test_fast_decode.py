@@ -215,7 +215,7 @@ def test_attention_phases() -> None:
     from moerun.kernels.triton_ops import TritonOps
 
     short = dk.ATTN_SHORT
-    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False)
+    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False, False)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 64 positions cover 1,600; 33 with the long variant
     assert dk.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
     assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 1601
@@ -226,7 +226,7 @@ def test_attention_phases() -> None:
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
     # a long variant of fewer splits starts where the default long variant would
-    assert TritonOps(attn_long=(64, 4, 2, False, True)).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
+    assert TritonOps(attn_long=(64, 4, 2, False, True, False)).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant

@@ -7,6 +7,7 @@ imported). Every output and scratch buffer is poisoned with NaN first; the seed 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -117,17 +118,29 @@ def test_qk_norm_rope_store(gen: torch.Generator, h: int, hkv: int, d: int, dv: 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def _modes(names: str, rows: list[tuple]) -> list[Any]:
+    """pytest.params of an attention test's modes: rows of (cache dtype, switch, ...), each id the dtype and the
+    names (from `names`, comma-separated after the dtype's) of the switches on."""
+    keys = names.split(",")[1:]
+    return [pytest.param(*row, id="-".join([str(row[0]).replace("torch.", "")]
+                                            + [k for k, on in zip(keys, row[1:], strict=True) if on])) for row in rows]
+
+
+# (cache dtype, ahead, dot): DOT runs on f16 caches only (`decode_ops.dot_ok`)
+ATTN_MODES = [(dt, ahead, False) for dt in (torch.float32, torch.float16, torch.bfloat16) for ahead in (False, True)] \
+    + [(torch.float16, False, True), (torch.float16, True, True)]
+
+
+@pytest.mark.parametrize("cache_dtype,ahead,dot", _modes("cache_dtype,ahead,dot", ATTN_MODES))
 @pytest.mark.parametrize("window", [0, 8])
 @pytest.mark.parametrize("kv_len", [1, 17, 70])
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits", [(3, 1, 16, 16, 4), (3, 3, 32, 32, 7), (4, 2, 32, 16, 1),
                                                    (8, 1, 16, 16, 3)])
 def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int, kv_len: int,
-                          window: int, cache_dtype: torch.dtype, ahead: bool) -> None:
+                          window: int, cache_dtype: torch.dtype, ahead: bool, dot: bool) -> None:
     """Against the reference, the cache outside the window poisoned with NaN (never read); with `ahead` each next
     tile's loads before the tile before's arithmetic (masked past the chunk: a split of 70 positions in one program
-    walks 5 tiles of 16, the last partial, the masked one after it)."""
+    walks 5 tiles of 16, the last partial, the masked one after it); with `dot` q.k and p.v on the tensor cores."""
     n_ctx, scale = 96, d ** -0.5
     q = randn(gen, h, d, scale=2.0)
     k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
@@ -143,7 +156,7 @@ def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: in
     # min_split 16: one live split per 16 positions (kv_len 70 over 7 splits: 5 live, 2 idle; the NaN scratch of the
     # idle ones is never read)
     ops.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16, min_split=16,
-                         ahead=ahead)
+                         ahead=ahead, dot=dot)
     close(out, want)
 
 
@@ -192,15 +205,17 @@ def _step_inputs(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_ctx:
     return q, k, v, qw, kw, table, k_cache, v_cache
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fused,early,ahead", [(True, True, False), (False, True, False), (True, False, False),
-                                               (True, False, True), (False, True, True)], ids=str)
+@pytest.mark.parametrize("cache_dtype,fused,early,ahead,dot", _modes("cache_dtype,fused,early,ahead,dot", [
+    (dt, *mode, False) for dt in (torch.float16, torch.bfloat16, torch.float32)
+    for mode in ((True, True, False), (False, True, False), (True, False, False), (True, False, True),
+                 (False, True, True))]
+    + [(torch.float16, True, False, False, True), (torch.float16, False, True, True, True)]))
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
     (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
     (2, 2, 64, 64, 5, 33, 0), (2, 1, 32, 32, 2, 80, 0)])
 def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
                                            kv_len: int, window: int, fused: bool, early: bool, ahead: bool,
-                                           cache_dtype: torch.dtype) -> None:
+                                           dot: bool, cache_dtype: torch.dtype) -> None:
     """The split programs load their first K / V tile before this step's row is stored: where that tile holds
     position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop
     reads it back after a barrier (kv_len 40 in one split: its third tile; 80 in two of 48: the second's second tile;
@@ -209,7 +224,8 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     output (f16 / bf16 / f32 caches, GQA, a window, one and several live splits (min_split 16), tiles of 16
     positions, the fused reduce and the reduce launch); also with the first tile loaded after the prologue and its
     barrier instead (`early` False, `decode_ops.ATTN_LONG`), and with each next tile's loads ahead of the tile
-    before's arithmetic (`ahead`: the second tile's loads come after the store's barrier; kv_len 40 / 80)."""
+    before's arithmetic (`ahead`: the second tile's loads come after the store's barrier; kv_len 40 / 80), and with
+    q.k and p.v on the tensor cores (`dot`, f16: the row from registers kept in f16)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
@@ -224,7 +240,8 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     ops.attention_decode(q.view(h, d), k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16,
                          min_split=16, out_x24=out24,
                          counters=torch.zeros(h, dtype=torch.int32, device=DEV) if fused else None,
-                         rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox"), early=early, ahead=ahead)
+                         rope=ops.RopeStore(k, v, qw, kw, table, eps, "full", "neox"), early=early, ahead=ahead,
+                         dot=dot)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     close(out, want)
     if x24:

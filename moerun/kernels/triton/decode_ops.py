@@ -268,12 +268,12 @@ ATTN_PROGRAMS_PER_SM = 3
 
 # attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
 # split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), each next tile's loads
-# before the tile before's arithmetic (AHEAD))
-AttnVariant = tuple[int, int, int, bool, bool]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False)
+# before the tile before's arithmetic (AHEAD), q.k and p.v on the tensor cores where the cache is f16 (DOT))
+AttnVariant = tuple[int, int, int, bool, bool, bool]
+ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False, False)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False)
+ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False, False)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -350,6 +350,32 @@ def _attn_tile(q, k, v, nmask, m_i, l_i, acc):
 
 
 @triton.jit
+def _split16(x):
+    """x [N] f32 -> [16, N] f16: row 0 x rounded to f16, row 8 the rest (x - row 0) rounded to f16, other rows 0; the
+    two rows hold x to ~22 bits, so a tensor-core product of them, summed over the rows, is ~ x's f32 product."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    r = tl.arange(0, 16)[:, None]
+    return tl.where(r == 0, hi[None, :], tl.where(r == 8, lo[None, :], 0.0)).to(tl.float16)
+
+
+@triton.jit
+def _attn_tile_dot(q2, k, v, nmask, m_i, l_i, acc2):
+    """`_attn_tile` on the tensor cores: q2 [16, BLOCK_D] f16 (`_split16` of the log2-scaled q), k [BLOCK_N, BLOCK_D]
+    / v [BLOCK_N, BLOCK_DV] f16, nmask [BLOCK_N]; acc2 [16, BLOCK_DV] f32 (rows 0 and 8 hold the sum acc, f32
+    accumulation) -> (m, l, acc2) updated. No f16 -> f32 conversions of the tile, the reductions over D and over the
+    tile's positions inside the mma."""
+    s = tl.sum(tl.dot(q2, tl.trans(k)), 0)  # [BLOCK_N] q . k (the two rows' sum)
+    s = tl.where(nmask, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc2 = tl.dot(_split16(p), v, acc2 * alpha)
+    return m_new, l_i, acc2
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, window,
                        k_sn, k_sh, v_sn, v_sh,
                        kr_ptr, vr_ptr, qw_ptr, kw_ptr, cs_ptr, eps,
@@ -360,7 +386,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
                        X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
-                       AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       AHEAD: tl.constexpr = False, DOT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -384,7 +410,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     the first tile is loaded after the prologue instead, behind a CTA barrier, so the prologue's registers are free
     first (128 per thread at OLMoE's shape instead of 160: 4 programs per SM; NOTES.md 8j); the same arithmetic.
     AHEAD: the second tile's loads are issued after the prologue, before the first tile's arithmetic, and in the loop
-    each next tile's before the current one's (a register double buffer; the same arithmetic; NOTES.md 9c). (Its
+    each next tile's before the current one's (a register double buffer; the same arithmetic; NOTES.md 9c). DOT
+    (f16 caches, BLOCK_N / BLOCK_D / BLOCK_DV >= 16): q.k and p.v as tensor-core products (`_attn_tile_dot`: q and p
+    split into two f16 rows each, f32 accumulation), the tiles never converted to f32 (NOTES.md 9e). (Its
     first tile, or its K rows, before the PDL wait under a 128-register cap lost 2-4% at depth 4096: NOTES.md 9a.)
 
     PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more than one
@@ -450,19 +478,27 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     m_i = -float("inf")
     l_i = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    if DOT:
+        acc = tl.zeros([16, BLOCK_DV], dtype=tl.float32)  # rows 0 and 8 (`_attn_tile_dot`)
+        q = _split16(q)  # [16, BLOCK_D] f16
+    else:
+        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     n0 = lo + BLOCK_N
     if AHEAD:  # the second tile's loads before the first tile's arithmetic (after the prologue's store)
         kn, vn = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
     # the first tile, loaded above (an empty chunk: what the loop would leave, m -inf, l 0, acc 0)
     n = lo + tl.arange(0, BLOCK_N)
-    kt = kt.to(tl.float32)
-    vt = vt.to(tl.float32)
+    if not DOT:
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
     if ROPE:  # the row len-1 (stale in memory until this launch stores it) from registers
         at = n == pos
-        kt = tl.where(at[:, None], kc.to(tl.float32)[None, :], kt)
-        vt = tl.where(at[:, None], vc.to(tl.float32)[None, :], vt)
-    m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
+        kt = tl.where(at[:, None], kc.to(kt.dtype)[None, :], kt)
+        vt = tl.where(at[:, None], vc.to(vt.dtype)[None, :], vt)
+    if DOT:
+        m1, l1, a1 = _attn_tile_dot(q, kt, vt, n < hi, m_i, l_i, acc)
+    else:
+        m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
     some = lo < hi
     m_i = tl.where(some, m1, m_i)
     l_i = tl.where(some, l1, l_i)
@@ -473,9 +509,14 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
             kn, vn = _kv_tile(k_base, v_base, n0 + BLOCK_N, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
         else:
             k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-        m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i,
-                                   acc)
+        if DOT:
+            m_i, l_i, acc = _attn_tile_dot(q, k, v, n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i, acc)
+        else:
+            m_i, l_i, acc = _attn_tile(q, k.to(tl.float32), v.to(tl.float32), n0 + tl.arange(0, BLOCK_N) < hi, m_i,
+                                       l_i, acc)
         n0 += BLOCK_N
+    if DOT:
+        acc = tl.sum(acc, 0)  # [BLOCK_DV]: rows 0 + 8
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
         _attn_out(h, acc / l_i, out_ptr, perm_ptr, hi_ptr, lo_ptr, xs_ptr, xsum_ptr, DV, BLOCK_DV, PERM, X24)
     else:
@@ -564,6 +605,13 @@ class RopeStore(NamedTuple):
     rope_style: str
 
 
+def dot_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether `_attn_split_kernel` DOT can run on these caches: f16, and tiles of at least 16 (a tensor-core
+    product's smallest side) along positions, D and Dv."""
+    return (k_cache.dtype == v_cache.dtype == torch.float16
+            and min(block_n, _np2(k_cache.shape[2]), _np2(v_cache.shape[2])) >= 16)
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len_t: torch.Tensor,
                      scale: float, window: int, out: torch.Tensor,
                      scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -571,7 +619,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True, ahead: bool = False) -> torch.Tensor:
+                     early: bool = True, ahead: bool = False, dot: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -588,6 +636,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     min_split: the live splits are min(S, ceil(live length / min_split)) (rounded up to block_n), the rest idle.
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
     (`_attn_split_kernel` EARLY); ahead: each next tile's loads issued before the tile before's arithmetic (AHEAD);
+    dot: q.k and p.v on the tensor cores (DOT) where both caches are f16 and block_n, D, Dv >= 16 (else ignored);
     with rope and PDL the length and, with several live splits, the first tile (early) come before the PDL wait, its
     trigger after it.
     """
@@ -625,6 +674,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
             **rconst, FUSED=fused, **oconst, EARLY=bool(early), AHEAD=bool(ahead),
+            DOT=bool(dot) and dot_ok(k_cache, v_cache, block_n),
             num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
