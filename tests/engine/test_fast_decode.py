@@ -226,7 +226,8 @@ def test_attention_phases() -> None:
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
     # a long variant of fewer splits starts where the default long variant would
-    assert TritonOps(attn_long=(64, 4, 2, False, True, False)).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
+    fewer = TritonOps(attn_long=(64, 4, 2, False, True, False))
+    assert fewer.attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
