@@ -142,6 +142,7 @@ def main() -> None:
     bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 32, 4, 4, tag=" dot32", dot=True)
     bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 3, tag=" dot64", dot=True)
     bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 32, 4, 3, tag=" dot32a", ahead=True, dot=True)
+    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 2, tag=" dot64a", ahead=True, dot=True)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

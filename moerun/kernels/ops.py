@@ -35,6 +35,8 @@ FEATURES: dict[str, str] = {
              "registers: 3 programs per SM; NOTES.md 9e)",
     "dot32a": "dot32 with each next tile's loads before the tile before's arithmetic (162 registers: 3 programs per "
               "SM; NOTES.md 9e)",
+    "dot64a": "dot64 with each next tile's loads before the tile before's arithmetic (226 registers: 2 programs per "
+              "SM, as ahead64; NOTES.md 9e)",
 }
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
     "ahead32": {"attn_long": (32, 4, 4, False, True, False)},
@@ -42,6 +44,7 @@ FEATURE_ARGS: dict[str, dict[str, Any]] = {
     "dot32": {"attn_long": (32, 4, 4, False, False, True)},
     "dot64": {"attn_long": (64, 4, 3, False, False, True)},
     "dot32a": {"attn_long": (32, 4, 3, False, True, True)},
+    "dot64a": {"attn_long": (64, 4, 2, False, True, True)},
 }
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
