@@ -228,6 +228,13 @@ def test_attention_phases() -> None:
     # a long variant of fewer splits starts where the default long variant would
     fewer = TritonOps(attn_long=(64, 4, 2, False, True, False))
     assert fewer.attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
+    # a feature's long variant reaches the launch (`dot64`: the tensor-core tile) in the long phase only
+    feat = make_ops("triton+dot64")
+    k16, o = torch.empty(1024, 1, 64, dtype=torch.float16), torch.empty(2, 64)
+    assert feat._attn_launch(k16, o, 0)["dot"] is False
+    feat.attn_phase = 1
+    launch = feat._attn_launch(k16, o, 0)
+    assert (launch["dot"], launch["ahead"], launch["block_n"]) == (True, False, 64)
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
