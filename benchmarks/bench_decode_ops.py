@@ -44,7 +44,8 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
                     block_n: int = ops.ATTN_BLOCK_N, num_warps: int = 4,
                     programs_per_sm: int = ops.ATTN_PROGRAMS_PER_SM, tag: str = "",
-                    min_split: int = ops.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False) -> None:
+                    min_split: int = ops.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False,
+                    stages: int = 0) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
@@ -58,7 +59,7 @@ def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, 
 
         def call(i: int, split: bool = True, reduce: bool = True, kv_len_t: torch.Tensor = kv_len_t) -> None:
             ops.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce,
-                                 min_split=min_split, ahead=ahead, dot=dot)
+                                 min_split=min_split, ahead=ahead, dot=dot, stages=stages)
 
         call(0)
         want = ref.attention(q[None], ks[0][:L], vs[0][:L], torch.tensor([L - 1], device="cuda"), scale)[0]
@@ -143,6 +144,10 @@ def main() -> None:
     bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 3, tag=" dot64", dot=True)
     bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 32, 4, 3, tag=" dot32a", ahead=True, dot=True)
     bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 2, tag=" dot64a", ahead=True, dot=True)
+    # every tile in one software-pipelined loop (NOTES.md 9g)
+    for tag, bn, pps, st in ((" pipe32", 32, 4, 3), (" pipe32s4", 32, 4, 4), (" pipe32p6", 32, 6, 2),
+                             (" pipe64", 64, 3, 3)):
+        bench_attention(torch.float16, [2048, 4096], sm, bw, rows, bn, 4, pps, tag=tag, dot=True, stages=st)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

@@ -37,14 +37,24 @@ FEATURES: dict[str, str] = {
               "SM; NOTES.md 9e)",
     "dot64a": "dot64 with each next tile's loads before the tile before's arithmetic (226 registers: 2 programs per "
               "SM, as ahead64; NOTES.md 9e)",
+    "pipe32": "dot32 with every tile of a split, the first too, in one loop Triton software-pipelines 3 stages deep "
+              "(asynchronous copies into shared memory, 2 tiles in flight; 72 registers, 37 KB: 4 programs per SM; "
+              "NOTES.md 9g)",
+    "pipe32s4": "pipe32 4 stages deep (3 tiles in flight: a d4096 split's 4 tiles nearly at once; 53 KB)",
+    "pipe32p6": "pipe32 2 stages deep with 6 programs per SM (50 splits at OLMoE's shape; 72 registers, 21 KB)",
+    "pipe64": "the pipelined loop on 64-position tiles, 3 stages (94 registers, 70 KB: 3 programs per SM)",
 }
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
-    "ahead32": {"attn_long": (32, 4, 4, False, True, False)},
-    "ahead64": {"attn_long": (64, 4, 2, False, True, False)},
-    "dot32": {"attn_long": (32, 4, 4, False, False, True)},
-    "dot64": {"attn_long": (64, 4, 3, False, False, True)},
-    "dot32a": {"attn_long": (32, 4, 3, False, True, True)},
-    "dot64a": {"attn_long": (64, 4, 2, False, True, True)},
+    "ahead32": {"attn_long": (32, 4, 4, False, True, False, 0)},
+    "ahead64": {"attn_long": (64, 4, 2, False, True, False, 0)},
+    "dot32": {"attn_long": (32, 4, 4, False, False, True, 0)},
+    "dot64": {"attn_long": (64, 4, 3, False, False, True, 0)},
+    "dot32a": {"attn_long": (32, 4, 3, False, True, True, 0)},
+    "dot64a": {"attn_long": (64, 4, 2, False, True, True, 0)},
+    "pipe32": {"attn_long": (32, 4, 4, False, False, True, 3)},
+    "pipe32s4": {"attn_long": (32, 4, 4, False, False, True, 4)},
+    "pipe32p6": {"attn_long": (32, 4, 6, False, False, True, 2)},
+    "pipe64": {"attn_long": (64, 4, 3, False, False, True, 3)},
 }
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a

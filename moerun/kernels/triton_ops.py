@@ -52,13 +52,13 @@ class TritonOps:
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
     programs per SM its split policy aims at, first tile with the RoPE prologue's loads, next tiles' loads ahead of the
-    tile before's arithmetic, q.k and p.v on the tensor cores for f16 caches) for the phases of the context's length
-    (`attention_phases`; the fast step captures a graph per phase): short from length 1 (`decode_ops.ATTN_SHORT`: the
-    early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long (default `decode_ops.ATTN_LONG`: the
-    first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M tg128 @ d4096 +6.6%, F16 +2.4%,
-    NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from` (attn_long_from: that length instead, for
-    tests and tuning). In both the KV length (and with several live splits per head the first tile) is read before the
-    PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
+    tile before's arithmetic, q.k and p.v on the tensor cores for f16 caches, software-pipeline stages or 0) for the
+    phases of the context's length (`attention_phases`; the fast step captures a graph per phase): short from length 1
+    (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
+    (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
+    tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
+    (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live splits per
+    head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
     attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
@@ -331,9 +331,9 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early, ahead, dot = self._attn_variant(k_cache, out, window)
+        block_n, warps, pps, early, ahead, dot, stages = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, ahead=ahead, dot=dot,
+                    block_n=block_n, num_warps=warps, early=early, ahead=ahead, dot=dot, stages=stages,
                     min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:

@@ -215,7 +215,7 @@ def test_attention_phases() -> None:
     from moerun.kernels.triton_ops import TritonOps
 
     short = dk.ATTN_SHORT
-    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False, False)
+    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False, False, 0)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 64 positions cover 1,600; 33 with the long variant
     assert dk.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
     assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 1601
@@ -226,7 +226,7 @@ def test_attention_phases() -> None:
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
     # a long variant of fewer splits starts where the default long variant would
-    fewer = TritonOps(attn_long=(64, 4, 2, False, True, False))
+    fewer = TritonOps(attn_long=(64, 4, 2, False, True, False, 0))
     assert fewer.attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
     # a feature's long variant reaches the launch (`dot64`: the tensor-core tile) in the long phase only
     feat = make_ops("triton+dot64")
@@ -234,7 +234,12 @@ def test_attention_phases() -> None:
     assert feat._attn_launch(k16, o, 0)["dot"] is False
     feat.attn_phase = 1
     launch = feat._attn_launch(k16, o, 0)
-    assert (launch["dot"], launch["ahead"], launch["block_n"]) == (True, False, 64)
+    assert (launch["dot"], launch["ahead"], launch["block_n"], launch["stages"]) == (True, False, 64, 0)
+    pipe = make_ops("triton+pipe32s4")  # and a pipelined one's stages
+    assert pipe._attn_launch(k16, o, 0)["stages"] == 0
+    pipe.attn_phase = 1
+    launch = pipe._attn_launch(k16, o, 0)
+    assert (launch["dot"], launch["early"], launch["block_n"], launch["stages"]) == (True, False, 32, 4)
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
