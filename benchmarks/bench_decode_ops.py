@@ -21,6 +21,7 @@ import torch
 from _timing import capture_graph, event_ms
 
 from moerun.kernels import reference as ref
+from moerun.kernels.ops import FEATURE_ARGS
 from moerun.kernels.triton import decode_ops as ops
 
 H, HKV, D, N_CTX, LAYERS = 16, 16, 128, 4096, 16
@@ -136,18 +137,13 @@ def main() -> None:
         bench_attention(dtype, [1, 17, 128, 512, 4095, 4096], sm, bw, rows)
     # 4 programs per SM (33 splits at OLMoE's shape): faster here at 4,096, 5% slower in the step (NOTES.md 8a)
     bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" pps=4", programs_per_sm=4)
-    # the long phase's variants that load each next tile ahead of the tile before's arithmetic (NOTES.md 9c)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 32, 4, 4, tag=" ahead32", ahead=True)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 2, tag=" ahead64", ahead=True)
-    # q.k and p.v on the tensor cores (NOTES.md 9e)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 32, 4, 4, tag=" dot32", dot=True)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 3, tag=" dot64", dot=True)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 32, 4, 3, tag=" dot32a", ahead=True, dot=True)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, 64, 4, 2, tag=" dot64a", ahead=True, dot=True)
-    # every tile in one software-pipelined loop (NOTES.md 9g)
-    for tag, bn, pps, st in ((" pipe32", 32, 4, 3), (" pipe32s4", 32, 4, 4), (" pipe32p6", 32, 6, 2),
-                             (" pipe64", 64, 3, 3)):
-        bench_attention(torch.float16, [2048, 4096], sm, bw, rows, bn, 4, pps, tag=tag, dot=True, stages=st)
+    # the ops features' long-phase variants not yet measured (moerun.kernels.ops.FEATURE_ARGS), each row tagged
+    # with its feature's name (`sweep_ops.py --attn` picks the fastest for the whole-step A/B); no RoPE prologue here
+    for name, args in FEATURE_ARGS.items():
+        if "attn_long" in args:
+            block_n, warps, pps, _early, ahead, dot, stages = args["attn_long"]
+            bench_attention(torch.float16, [2048, 4096], sm, bw, rows, block_n, warps, pps, tag=f" {name}",
+                            ahead=ahead, dot=dot, stages=stages)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

@@ -18,6 +18,7 @@
 #   with AB1_TREE=NAME (export:AB1_TREE=old) the package in abtree/NAME runs it, e.g. an older commit's features),
 #   llamacpp:build / llamacpp:TYPE[:DEPTHS] (llama.cpp's llama-bench beside moerun bench: benchmarks/llamacpp.sh),
 #   sweepab:TYPE:KIND[:N] (sweep:TYPE of one KIND, then ab1 of the default and its N fastest other tiles),
+#   attnab:TYPE[:N] (the attention micro, then ab1 of the default and the N long-phase features fastest in it),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
@@ -69,6 +70,12 @@ for stage in "$@"; do
         ${BMS:+--bms "$BMS"} ${STEPS:+--steps "$STEPS"} --json "$OUT/sweep-$t-$kind.json" 2>&1 | tee -a "$LOG"
       ops=$(python3 benchmarks/sweep_ops.py "$OUT/sweep-$t-$kind.json" --kind "$kind" --top "$n" 2>&1) \
         && OUT=$OUT bash "$0" "ab1:$t:$ops" | grep -v "^===" || echo "$ops" | tee -a "$LOG" ;;
+    attnab:*)  # attnab:TYPE[:N]: the attention micro (every long-phase feature's row), then ab1 of the default and
+      # the N (3) features fastest at 4,096 positions in the whole step (DEPTHS, ROUNDS; the file stays)
+      spec=${stage#*:}; t=${spec%%:*}; n=${spec#*:}; [ "$n" = "$spec" ] && n=3
+      timeout 300 python3 benchmarks/bench_decode_ops.py --no-sweep --json "$OUT/decode_ops.json" 2>&1 | tee -a "$LOG"
+      ops=$(python3 benchmarks/sweep_ops.py "$OUT/decode_ops.json" --attn --top "$n" 2>&1) \
+        && OUT=$OUT bash "$0" "ab1:$t:$ops" | grep -v "^===" || echo "$ops" | tee -a "$LOG" ;;
     llamacpp:*)  # llamacpp:build, or llamacpp:TYPE[:DEPTHS] (default 0,4096): llama.cpp's llama-bench beside moerun
       # bench on one synthesized OLMoE file (benchmarks/llamacpp.sh; carry .llama/src, made by its `src` here)
       spec=${stage#*:}; t=${spec%%:*}; d=${spec#*:}; [ "$d" = "$spec" ] && d=0,4096
@@ -78,7 +85,7 @@ for stage in "$@"; do
         -o /tmp/synth-$t.gguf --no-progress --force 2>&1 | tail -1 | tee -a "$LOG"; rm -f /tmp/synth-$t.gguf ;;
     qgemm) timeout 300 python3 benchmarks/bench_qgemm.py ${QGEMM_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     exp) timeout 240 python3 benchmarks/exp_q4k.py 2>&1 | tee -a "$LOG" ;;
-    attn) timeout 180 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
+    attn) timeout 300 python3 benchmarks/bench_decode_ops.py --no-sweep 2>&1 | tee -a "$LOG" ;;
     attnsweep) timeout 400 python3 benchmarks/bench_decode_ops.py --json "$OUT/decode_ops.json" 2>&1 | tee -a "$LOG" ;;
     olmoe:*|qwen3:*)
       t=${stage#*:}; p=$([ "${stage%%:*}" = olmoe ] && echo olmoe-1b-7b || echo qwen3-30b-a3b)

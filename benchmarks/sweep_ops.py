@@ -1,8 +1,11 @@
 """A `bench_qmatvec.py --sweep` JSON's fastest tiles as `moerun bench --ops` variants, so a micro-benchmark's
-winners are timed in the whole decode step (gpu_run.sh `sweepab:TYPE:KIND`).
+winners are timed in the whole decode step (gpu_run.sh `sweepab:TYPE:KIND`); with --attn, a `bench_decode_ops.py`
+JSON's fastest long-phase attention features (gpu_run.sh `attnab:TYPE`).
 
     python benchmarks/sweep_ops.py sweep.json --kind out --top 3
     -> triton,triton+out@8x256x4,triton+out@4x512x4,triton+out@16x128x4
+    python benchmarks/sweep_ops.py decode_ops.json --attn --top 2
+    -> triton,triton+pipe32s4,triton+dot64
 
 Prints `triton` (the default tiles) first, then `triton+KIND@BMxNBxWARPS` for the `top` fastest tiles of the
 sweep's KIND case that differ from the default. KIND is a TILE_KINDS name (mv, out, gate_up, down): "out" is the
@@ -35,15 +38,35 @@ def ops_from_sweep(rows: list[dict], kind: str, top: int) -> list[str]:
     return ["triton"] + [f"triton+{kind}@{bm}x{nb}x{w}" for bm, nb, w in tiles[:top]]
 
 
+def ops_from_attn(rows: list[dict], features: set[str], top: int, kv_len: int = 4096) -> list[str]:
+    """['triton', 'triton+FEATURE', ...]: the `top` features (of `features`) whose attention rows ("attention
+    FEATURE", f16 cache) are fastest at kv_len."""
+    timed = [(r["us"], r["kernel"].removeprefix("attention ")) for r in rows
+             if r["kernel"].startswith("attention ") and r.get("kv_len") == kv_len and r.get("dtype") == "float16"]
+    names = [name for _us, name in sorted(timed) if name in features]
+    if not names:
+        raise ValueError(f"no attention row of a feature ({', '.join(sorted(features)) or 'none'}) at kv_len {kv_len}")
+    return ["triton"] + [f"triton+{name}" for name in names[:top]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", type=Path, help="bench_qmatvec.py --sweep --json output")
-    ap.add_argument("--kind", required=True, choices=sorted(CASES))
+    ap.add_argument("json", type=Path, help="bench_qmatvec.py --sweep --json output (bench_decode_ops.py's: --attn)")
+    ap.add_argument("--kind", choices=sorted(CASES))
+    ap.add_argument("--attn", action="store_true", help="the fastest attention features of a bench_decode_ops JSON")
     ap.add_argument("--top", type=int, default=3, help="how many of the fastest non-default tiles")
     args = ap.parse_args(argv)
     try:
         rows = json.loads(args.json.read_text())["rows"]
-        print(",".join(ops_from_sweep(rows, args.kind, args.top)))
+        if args.attn:
+            from moerun.kernels.ops import FEATURE_ARGS
+
+            feats = {name for name, kw in FEATURE_ARGS.items() if "attn_long" in kw}
+            print(",".join(ops_from_attn(rows, feats, args.top)))
+        elif args.kind is None:
+            raise ValueError("--kind is required without --attn")
+        else:
+            print(",".join(ops_from_sweep(rows, args.kind, args.top)))
     except (OSError, KeyError, ValueError) as e:
         print(f"sweep_ops: {args.json}: {e}", file=sys.stderr)
         return 1
