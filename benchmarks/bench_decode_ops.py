@@ -22,6 +22,7 @@ from _timing import capture_graph, event_ms
 
 from moerun.kernels import reference as ref
 from moerun.kernels.ops import FEATURE_ARGS
+from moerun.kernels.triton import attention as ak
 from moerun.kernels.triton import decode_ops as ops
 
 H, HKV, D, N_CTX, LAYERS = 16, 16, 128, 4096, 16
@@ -43,23 +44,23 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 
 def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
-                    block_n: int = ops.ATTN_BLOCK_N, num_warps: int = 4,
-                    programs_per_sm: int = ops.ATTN_PROGRAMS_PER_SM, tag: str = "",
-                    min_split: int = ops.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False,
+                    block_n: int = ak.ATTN_BLOCK_N, num_warps: int = 4,
+                    programs_per_sm: int = ak.ATTN_PROGRAMS_PER_SM, tag: str = "",
+                    min_split: int = ak.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False,
                     stages: int = 0) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     q = torch.randn(H, D, device="cuda", generator=g)
     out = torch.empty(H, D, device="cuda")
-    n_splits = ops.attention_splits(N_CTX, H, sm, block_n, programs_per_sm)
-    scratch = ops.attention_scratch(H, D, n_splits, "cuda")
+    n_splits = ak.attention_splits(N_CTX, H, sm, block_n, programs_per_sm)
+    scratch = ak.attention_scratch(H, D, n_splits, "cuda")
     scale = D ** -0.5
     for L in kv_lens:
         kv_len_t = torch.tensor([L], device="cuda", dtype=torch.int32)
 
         def call(i: int, split: bool = True, reduce: bool = True, kv_len_t: torch.Tensor = kv_len_t) -> None:
-            ops.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce,
+            ak.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce,
                                  min_split=min_split, ahead=ahead, dot=dot, stages=stages)
 
         call(0)

@@ -181,7 +181,7 @@ for stage in "$@"; do
       python3 benchmarks/ncu_step.py --summarise "$OUT/ncu-$t.csv" 2>&1 | tee -a "$LOG" ;;
     decodetests)  # DECODE_TESTS_K: a pytest -k filter (e.g. "not unpadded and not bytes" for a shorter run)
       MOERUN_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
-        tests/kernels/test_decode_ops.py tests/kernels/test_imatvec.py tests/kernels/test_qmatvec.py \
+        tests/kernels/test_decode_ops.py tests/kernels/test_attention.py tests/kernels/test_imatvec.py tests/kernels/test_qmatvec.py \
         tests/kernels/test_gpu.py tests/engine/test_fast_decode.py tests/engine/test_decode_acceptance.py \
         ${DECODE_TESTS_K:+-k "$DECODE_TESTS_K"} 2>&1 | tail -8 | tee -a "$LOG" ;;
     abops:*)  # abops:TYPE:OPS,OPS,...: benchmarks/ab_ops.sh (profiles, then tg128 of each ops twice; DEPTHS, NO_PROFILE)

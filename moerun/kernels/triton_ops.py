@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moerun.kernels.gpu import sm_count
 from moerun.kernels.torch_ops import Route, TorchOps
+from moerun.kernels.triton import attention as ak
 from moerun.kernels.triton import decode_ops as dk
 from moerun.kernels.triton import embed as ek
 from moerun.kernels.triton import imatvec as ik
@@ -50,16 +51,16 @@ class TritonOps:
     where the gate/up did not rank them itself, or one expert at a time, the down reads the ids as before).
     byte_down_route: `down_route` for the byte-decoding kernels (F16 / BF16 / F32 down after a byte gate/up that
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
-    attn_short, attn_long: the split attention's variants (`decode_ops.AttnVariant`: KV positions per tile, warps,
+    attn_short, attn_long: the split attention's variants (`attention.AttnVariant`: KV positions per tile, warps,
     programs per SM its split policy aims at, first tile with the RoPE prologue's loads, next tiles' loads ahead of the
     tile before's arithmetic, q.k and p.v on the tensor cores for f16 caches, software-pipeline stages or 0) for the
     phases of the context's length (`attention_phases`; the fast step captures a graph per phase): short from length 1
-    (`decode_ops.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
-    (default `decode_ops.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
-    tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `decode_ops.attention_long_from`
+    (`attention.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
+    (default `attention.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
+    tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `attention.attention_long_from`
     (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live splits per
-    head the first tile) is read before the PDL wait (`decode_ops._attn_split_kernel`; NOTES.md 8o, 8r).
-    attn_min_split: the fewest KV positions a live split takes (`decode_ops.ATTN_MIN_SPLIT`; `_live_splits`).
+    head the first tile) is read before the PDL wait (`attention._attn_split_kernel`; NOTES.md 8o, 8r).
+    attn_min_split: the fewest KV positions a live split takes (`attention.ATTN_MIN_SPLIT`; `_live_splits`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
     products by kind ("mv", "out": a matvec of at least `qmatvec.LARGE_MV_ROWS` rows, "gate_up", "down") instead of
     `qmatvec.tile_for`'s (`ops.parse_tile`: for timing a sweep's tile in the whole step).
@@ -76,8 +77,8 @@ class TritonOps:
                  int_kinds: dict[int, tuple[str, ...]] | None = None, attn_fused: bool = True,
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
-                 attn_short: dk.AttnVariant = dk.ATTN_SHORT, attn_long: dk.AttnVariant | None = dk.ATTN_LONG,
-                 attn_long_from: int | None = None, attn_min_split: int = dk.ATTN_MIN_SPLIT,
+                 attn_short: ak.AttnVariant = ak.ATTN_SHORT, attn_long: ak.AttnVariant | None = ak.ATTN_LONG,
+                 attn_long_from: int | None = None, attn_min_split: int = ak.ATTN_MIN_SPLIT,
                  float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
@@ -293,14 +294,14 @@ class TritonOps:
                                                     device=k_cache.device)
         return table
 
-    def _phase_table(self, n_ctx: int, n_head: int, device: torch.device) -> list[tuple[int, dk.AttnVariant]]:
+    def _phase_table(self, n_ctx: int, n_head: int, device: torch.device) -> list[tuple[int, ak.AttnVariant]]:
         """[(KV length it starts from, variant)] of each attention phase: the short one from 1, the long one
         (where there is one) after it."""
         table = [(1, self.attn_short)]
         if self.attn_long is not None:
             # where the default long variant would start, whichever long variant runs there
-            start = self.attn_long_from or dk.attention_long_from(n_ctx, n_head, sm_count(device), self.attn_short,
-                                                                  dk.ATTN_LONG, self.attn_min_split)
+            start = self.attn_long_from or ak.attention_long_from(n_ctx, n_head, sm_count(device), self.attn_short,
+                                                                  ak.ATTN_LONG, self.attn_min_split)
             if start is not None and start > 1:
                 table.append((start, self.attn_long))
         return table
@@ -309,7 +310,7 @@ class TritonOps:
         """The KV lengths each attention phase starts from (`_phase_table`): (1,) or (1, long)."""
         return tuple(start for start, _ in self._phase_table(n_ctx, n_head, device))
 
-    def _attn_variant(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dk.AttnVariant:
+    def _attn_variant(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> ak.AttnVariant:
         """This step's attention variant: its phase's, or for a sliding window too short to reach that phase the
         phase of the window's length."""
         table = self._phase_table(k_cache.shape[0], out.shape[0], out.device)
@@ -324,13 +325,13 @@ class TritonOps:
         key = (k_cache.shape[0], H, Dv, out.device, block_n, pps)
         scratch = self._attn_scratch.get(key)
         if scratch is None:
-            splits = dk.attention_splits(k_cache.shape[0], H, sm_count(out.device), block_n,
+            splits = ak.attention_splits(k_cache.shape[0], H, sm_count(out.device), block_n,
                                          pps)  # one wave of split programs
-            scratch = self._attn_scratch[key] = dk.attention_scratch(H, Dv, splits, out.device)
+            scratch = self._attn_scratch[key] = ak.attention_scratch(H, Dv, splits, out.device)
         return scratch
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
-        """`dk.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
+        """`ak.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
         block_n, warps, pps, early, ahead, dot, stages = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
                     block_n=block_n, num_warps=warps, early=early, ahead=ahead, dot=dot, stages=stages,
@@ -351,7 +352,7 @@ class TritonOps:
     def attention_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          kv_len_t: torch.Tensor, scale: float, window: int, out: torch.Tensor,
                          out_perm: torch.Tensor | None = None, out_x24: ik.X24 | None = None) -> None:
-        dk.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, out_perm=out_perm, out_x24=out_x24,
+        ak.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, out_perm=out_perm, out_x24=out_x24,
                             **self._attn_launch(k_cache, out, window))
 
     def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor | None,
@@ -363,8 +364,8 @@ class TritonOps:
         """As TorchOps.rope_attention in one launch pair (split + reduce): the split programs norm and rotate
         q themselves and store this step's k and v (q_rot is not written; pos_t is kv_len_t - 1)."""
         table = self._rope_table(k_cache, rope_dim, base, scale, freq_factors)
-        rope = dk.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
-        dk.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
+        rope = ak.RopeStore(k, v, q_norm_w, k_norm_w, table, eps, qk_norm, rope_style)
+        ak.attention_decode(q.view(q_rot.shape), k_cache, v_cache, kv_len_t, attn_scale, window, out,
                             out_perm=out_perm, rope=rope, out_x24=out_x24, **self._attn_launch(k_cache, out, window))
 
     def argmax(self, logits: torch.Tensor, out_id: torch.Tensor,

@@ -53,7 +53,7 @@ def test_step_at_kv_length(long_file, kv_len: int, phases: str) -> None:
     """The step that brings the cache to kv_len positions (the prompt before it prefilled): reference logits to
     1e-4; on CUDA the graph's logits equal the eager step's. "forced" (the Triton ops): the attention's long phase
     from length 1000, so 4095 runs that variant (with 4 heads the tiny model's
-    4096-token context never reaches the long phase on its own: `decode_ops.attention_long_from`)."""
+    4096-token context never reaches the long phase on its own: `attention.attention_long_from`)."""
     path, tokens, ref = long_file
     got = {}
     for graph in GRAPH:

@@ -197,12 +197,12 @@ def test_make_ops_names() -> None:
     # programmatic dependent launch in every base (NOTES.md 8a; test_pdl.py), the attention's splits sized for its
     # registers (3 programs per SM)
     from moerun.kernels.gpu import sm_count
-    from moerun.kernels.triton import decode_ops as dk
+    from moerun.kernels.triton import attention as ak
 
     assert t.pdl and make_ops("triton-bytes").pdl and not make_ops("triton-nopdl").pdl
     k, o = torch.empty(4096, 16, 128), torch.empty(16, 128)
     block_n, _, pps, *_ = t._attn_variant(k, o, 0)
-    assert t._attention_scratch(k, o, block_n, pps)[0].shape[1] == dk.attention_splits(
+    assert t._attention_scratch(k, o, block_n, pps)[0].shape[1] == ak.attention_splits(
         4096, 16, sm_count(o.device), programs_per_sm=3)
 
 
@@ -211,18 +211,18 @@ def test_attention_phases() -> None:
     and the long one's (4 per SM) are more; never in a context too short for that, nor for a sliding window too
     short to reach it."""
     from moerun.kernels.ops import make_ops
-    from moerun.kernels.triton import decode_ops as dk
+    from moerun.kernels.triton import attention as ak
     from moerun.kernels.triton_ops import TritonOps
 
-    short = dk.ATTN_SHORT
-    assert short == (dk.ATTN_BLOCK_N, 4, dk.ATTN_PROGRAMS_PER_SM, True, False, False, 0)
+    short = ak.ATTN_SHORT
+    assert short == (ak.ATTN_BLOCK_N, 4, ak.ATTN_PROGRAMS_PER_SM, True, False, False, 0)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 64 positions cover 1,600; 33 with the long variant
-    assert dk.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
-    assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG) == 1601
-    assert dk.attention_long_from(4224, 16, 132, short, dk.ATTN_LONG, min_split=128) == 3201  # NOTES.md 8n
-    assert dk.attention_long_from(1600, 16, 132, short, dk.ATTN_LONG) is None  # never reached
-    assert dk.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
-    assert dk.attention_long_from(1 << 20, 4, 132, short, dk.ATTN_LONG) == 99 * 64 + 1
+    assert ak.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
+    assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG) == 1601
+    assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG, min_split=128) == 3201  # NOTES.md 8n
+    assert ak.attention_long_from(1600, 16, 132, short, ak.ATTN_LONG) is None  # never reached
+    assert ak.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
+    assert ak.attention_long_from(1 << 20, 4, 132, short, ak.ATTN_LONG) == 99 * 64 + 1
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
     # a long variant of fewer splits starts where the default long variant would
@@ -248,7 +248,7 @@ def test_attention_phases() -> None:
     k, o = torch.empty(1024, 1, 64), torch.empty(2, 64)
     assert t._attn_variant(k, o, 0) == short
     t.attn_phase = 1
-    assert [t._attn_variant(k, o, w) for w in (0, 384, 385)] == [dk.ATTN_LONG, short, dk.ATTN_LONG]
+    assert [t._attn_variant(k, o, w) for w in (0, 384, 385)] == [ak.ATTN_LONG, short, ak.ATTN_LONG]
     t.attn_long_from = 5
     assert t.attention_phases(1024, 2, torch.device("cpu")) == (1, 5)
     t.attn_long_from = 1  # no short phase left: one phase

@@ -41,7 +41,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moerun.kernels.triton import decode_ops as dk, embed as ek, imatvec as ik, qmatvec as qk
+from moerun.kernels.triton import attention as ak, decode_ops as dk, embed as ek, imatvec as ik, qmatvec as qk
 pdl = sys.argv[1] == "1"
 if sys.argv[2] == "rms_norm":  # the weight loaded before the wait
     fn, consts = dk._rms_norm_kernel, {"BLOCK": 2048, "PERM": False, "X24": False, "PDL": pdl}
@@ -78,7 +78,7 @@ elif sys.argv[2] == "embed":  # the step's first kernel: its wait before its tri
     fn, consts = ek._embed_kernel, {"QTYPE": 1, "BKC": 256, "PDL": pdl}
     types = {"w_ptr": "*fp16", "ids_ptr": "*i64", "scale": "fp32", "K": "i32", "stride_w": "i32", "stride_out": "i32"}
 elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + full QK-norm: short / long
-    fn = dk._attn_split_kernel
+    fn = ak._attn_split_kernel
     consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
                   QK_NORM=2, NEOX=1, K_BF16=False, V_BF16=False, BLOCK_FQ=2048, BLOCK_FK=2048, FUSED=True,
                   BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=sys.argv[2] == "attn_short", PDL=pdl)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from moerun.kernels.torch_ops import X24
 from moerun.quant import dequantize, random_blocks
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,3 +80,23 @@ def router_logits(rng: np.random.Generator, e: int, n_sel: int, ties: bool) -> t
         logits[logits == top[n_sel]] = top[n_sel - 1]
         logits[logits == 0] = torch.tensor([0.0, -0.0]).repeat(e)[: int((logits == 0).sum())]
     return logits
+
+
+def poisoned_x24(*shape: int) -> X24:
+    """An X24 output with every byte set (so a value the kernel does not write shows)."""
+    x = X24.empty(shape, DEV)
+    for t in x:
+        t.view(torch.uint8).fill_(0xFF)
+    return x
+
+
+def check_x24(got: X24, x: torch.Tensor) -> None:
+    """got is imatvec's quantization of x [..., K] (its plain-torch twin; the division may round differently on
+    the GPU: X within 1, s and the sums within float32 rounding)."""
+    from moerun.kernels.triton.imatvec import quantize_x24_ref
+
+    want = quantize_x24_ref(x.cpu())
+    q = got.hi.cpu().int() * 256 + got.lo.cpu().int()
+    assert (q - (want.hi.int() * 256 + want.lo.int())).abs().max() <= 1
+    torch.testing.assert_close(got.s.cpu(), want.s, rtol=1e-6, atol=0)
+    close(got.sum.cpu(), want.sum)
