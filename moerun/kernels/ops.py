@@ -44,6 +44,7 @@ FEATURES: dict[str, str] = {
     "pipe32p6": "pipe32 2 stages deep with 6 programs per SM (50 splits at OLMoE's shape; 72 registers, 21 KB)",
     "pipe64": "the pipelined loop on 64-position tiles, 3 stages (94 registers, 70 KB: 3 programs per SM)",
 }
+# (attn_long: an attention.AttnVariant's fields in order: block_n, warps, programs_per_sm, early, ahead, dot, stages)
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
     "ahead32": {"attn_long": (32, 4, 4, False, True, False, 0)},
     "ahead64": {"attn_long": (64, 4, 2, False, True, False, 0)},

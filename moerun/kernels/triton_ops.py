@@ -88,7 +88,9 @@ class TritonOps:
         self.pdl = pdl
         self.down_route, self.byte_down_route = down_route, byte_down_route
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
-        self.attn_short, self.attn_long, self.attn_long_from = attn_short, attn_long, attn_long_from
+        self.attn_short = ak.AttnVariant(*attn_short)
+        self.attn_long = None if attn_long is None else ak.AttnVariant(*attn_long)
+        self.attn_long_from = attn_long_from
         self.attn_min_split = attn_min_split
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
         self.argmax_fused = argmax_fused
@@ -332,9 +334,10 @@ class TritonOps:
 
     def _attn_launch(self, k_cache: torch.Tensor, out: torch.Tensor, window: int) -> dict[str, Any]:
         """`ak.attention_decode`'s scratch, counters and tile arguments for this step's variant (`_attn_variant`)."""
-        block_n, warps, pps, early, ahead, dot, stages = self._attn_variant(k_cache, out, window)
-        return dict(scratch=self._attention_scratch(k_cache, out, block_n, pps), counters=self._attn_counters(out),
-                    block_n=block_n, num_warps=warps, early=early, ahead=ahead, dot=dot, stages=stages,
+        v = self._attn_variant(k_cache, out, window)
+        return dict(scratch=self._attention_scratch(k_cache, out, v.block_n, v.programs_per_sm),
+                    counters=self._attn_counters(out), block_n=v.block_n, num_warps=v.warps, early=v.early,
+                    ahead=v.ahead, dot=v.dot, stages=v.stages,
                     min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:

@@ -35,15 +35,23 @@ NO_WINDOW = 1 << 30
 ATTN_PROGRAMS_PER_SM = 3
 
 
-# attention variants, one per phase of the context's length: (KV positions per tile, warps, programs per SM the
-# split policy aims at, first tile with the prologue's loads (`_attn_split_kernel` EARLY), each next tile's loads
-# before the tile before's arithmetic (AHEAD), q.k and p.v on the tensor cores where the cache is f16 (DOT), every
-# tile in one software-pipelined loop this many stages deep, 0: the plain loop (STAGES))
-AttnVariant = tuple[int, int, int, bool, bool, bool, int]
-ATTN_SHORT: AttnVariant = (ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False, False, 0)
+class AttnVariant(NamedTuple):
+    """How the split kernel walks a split, one variant per phase of the context's length (a plain tuple of these
+    fields in this order is one too: `TritonOps` and the ops features pass them so)."""
+
+    block_n: int  # KV positions per tile
+    warps: int
+    programs_per_sm: int  # what the split policy aims at (`attention_splits`)
+    early: bool  # the first tile loaded with the RoPE prologue's loads (`_attn_split_kernel` EARLY)
+    ahead: bool  # each next tile's loads before the tile before's arithmetic (AHEAD)
+    dot: bool  # q.k and p.v on the tensor cores where the caches are f16 (DOT)
+    stages: int  # every tile in one loop software-pipelined this many stages deep; 0: the plain loop (STAGES)
+
+
+ATTN_SHORT = AttnVariant(ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False, False, 0)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG: AttnVariant = (ATTN_BLOCK_N, 4, 4, False, False, False, 0)
+ATTN_LONG = AttnVariant(ATTN_BLOCK_N, 4, 4, False, False, False, 0)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -51,9 +59,10 @@ def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVaria
     """The KV length from which the `long` variant runs instead of `short`: the first at which `short`'s split
     policy has every split live (`_live_splits`) while `long`'s has more; None where it never does (a context
     `short`'s splits already cut into min_split-position pieces)."""
-    s_short = attention_splits(n_ctx, n_head, sm_count, short[0], short[2])
-    s_long = attention_splits(n_ctx, n_head, sm_count, long[0], long[2])
-    start = max(min_split, short[0]) * s_short + 1
+    short, long = AttnVariant(*short), AttnVariant(*long)
+    s_short = attention_splits(n_ctx, n_head, sm_count, short.block_n, short.programs_per_sm)
+    s_long = attention_splits(n_ctx, n_head, sm_count, long.block_n, long.programs_per_sm)
+    start = max(min_split, short.block_n) * s_short + 1
     return start if s_long > s_short and start <= n_ctx else None
 
 
