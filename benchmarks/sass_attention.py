@@ -1,0 +1,111 @@
+"""Static SASS of the split attention kernel (kernels/triton/attention.py) for sm_90, without a GPU.
+
+    python benchmarks/sass_attention.py [--variants short,long,pipe32,...] [--n-ctx 4224] [--dump DIR]
+
+Each variant (`short` / `long`: attention.ATTN_SHORT / ATTN_LONG; any other name: an ops feature's `attn_long`,
+moerun.kernels.ops.FEATURE_ARGS) is launched as the fast step launches it at OLMoE-1B-7B's shape (16 heads of 128,
+f16 caches of n_ctx positions, full QK-norm + NeoX RoPE prologue, the fused combine, PDL) on CPU tensors with the
+kernel replaced by a recorder, then compiled for sm_90 with Triton's bundled ptxas (`sass_qgemm.compile_launch`).
+Reported: splits at 132 SMs, registers per thread, shared memory, the programs per SM both allow (65,536 registers,
+228 KB), the tile loop's instructions (per tile and per 64 positions) and its global loads, cp.async copies
+(LDGSTS) and tensor-core instructions. How NOTES.md's static tables (9c, 9e, 9g) were made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections import Counter
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret
+
+import torch  # noqa: E402
+from sass_qgemm import classify, compile_launch, main_loop, sass_of  # noqa: E402
+
+from moerun.kernels.ops import FEATURE_ARGS  # noqa: E402
+from moerun.kernels.triton import attention as ak  # noqa: E402
+from moerun.kernels.triton.decode_ops import rope_table  # noqa: E402
+
+H, D, SMS = 16, 128, 132
+REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 228 * 1024, 1024  # sm_90; the driver reserves 1 KB per block
+
+
+class _Recorder:
+    """Stands in for the @triton.jit kernel: kernel[grid](*args, **kw) records the launch."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.launch = fn, None
+
+    def __getitem__(self, grid):
+        def go(*args, **kw) -> None:
+            self.launch = (args, kw)
+
+        return go
+
+
+def variant(name: str) -> ak.AttnVariant:
+    if name == "short":
+        return ak.ATTN_SHORT
+    if name == "long":
+        return ak.ATTN_LONG
+    if "attn_long" not in FEATURE_ARGS.get(name, {}):
+        feats = [f for f, kw in FEATURE_ARGS.items() if "attn_long" in kw]
+        raise SystemExit(f"unknown variant {name!r}: short, long or one of {', '.join(feats) or '(no features)'}")
+    return ak.AttnVariant(*FEATURE_ARGS[name]["attn_long"])
+
+
+def record(v: ak.AttnVariant, n_ctx: int) -> tuple[int, tuple, dict]:
+    """(splits, args, kwargs) of the fast step's launch of variant v."""
+    splits = ak.attention_splits(n_ctx, H, SMS, v.block_n, v.programs_per_sm)
+    kc = torch.zeros(n_ctx, H, D, dtype=torch.float16)
+    rope = ak.RopeStore(torch.randn(H * D), torch.randn(H * D), torch.ones(H * D), torch.ones(H * D),
+                        rope_table(n_ctx, D, 10000.0), 1e-6, "full", "neox")
+    rec = _Recorder(ak._attn_split_kernel)
+    real, ak._attn_split_kernel = ak._attn_split_kernel, rec
+    try:
+        ak.attention_decode(torch.randn(H, D), kc, kc.clone(), torch.tensor([n_ctx]), D ** -0.5, 0,
+                            torch.empty(H, D), ak.attention_scratch(H, D, splits, "cpu"), block_n=v.block_n,
+                            num_warps=v.warps, rope=rope, counters=torch.zeros(H, dtype=torch.int32), early=v.early,
+                            ahead=v.ahead, dot=v.dot, stages=v.stages)
+    finally:
+        ak._attn_split_kernel = real
+    args, kw = rec.launch
+    kw = {k: val for k, val in kw.items() if k != "launch_pdl"} | {"PDL": True}
+    kw.setdefault("num_stages", 3)
+    return splits, args, kw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    feats = [f for f, kw in FEATURE_ARGS.items() if "attn_long" in kw]
+    ap.add_argument("--variants", default=",".join(["short", "long", *feats]))
+    ap.add_argument("--n-ctx", type=int, default=4224, help="cache positions (the bench's -d 4096 cache: 4224)")
+    ap.add_argument("--dump", default=None, help="write each variant's SASS into this folder")
+    args = ap.parse_args()
+    print("| variant | tile, warps, stages | splits | registers | shared KB | programs / SM (regs, smem) "
+          "| loop instr. per tile | per 64 positions | LDG | LDGSTS | HMMA |\n|---|---|---:|---:|---:|---|---:|---:|"
+          "---:|---:|---:|")
+    for name in args.variants.split(","):
+        v = variant(name)
+        splits, a, kw = record(v, args.n_ctx)
+        ck = compile_launch(ak._attn_split_kernel, a, kw)
+        sass, res = sass_of(ck)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
+                f.write(sass)
+        regs = int(re.findall(r"REG:(\d+)", res)[0])
+        smem = ck.metadata.shared
+        by_regs = REGS_PER_SM // (regs * 32 * v.warps)
+        by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED)
+        body = main_loop(sass)
+        cls = Counter(classify(op) for op in body)
+        hmma = sum(op.startswith("HMMA") for op in body)
+        print(f"| {name} | {v.block_n}, {v.warps}, {v.stages or '-'} | {splits} | {regs} | {smem / 1024:.0f} "
+              f"| {min(by_regs, by_smem)} ({by_regs}, {by_smem}) | {len(body)} | {len(body) * 64 // v.block_n} "
+              f"| {cls['LDG']} | {cls['LDGSTS']} | {hmma} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
