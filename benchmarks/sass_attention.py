@@ -1,6 +1,6 @@
 """Static SASS of the split attention kernel (kernels/triton/attention.py) for sm_90, without a GPU.
 
-    python benchmarks/sass_attention.py [--variants short,long,pipe32,...] [--n-ctx 4224] [--dump DIR]
+    python benchmarks/sass_attention.py [--variants short,long,pipe32,...] [--n-ctx 4224] [--dump DIR] [--check]
 
 Each variant (`short` / `long`: attention.ATTN_SHORT / ATTN_LONG; any other name: an ops feature's `attn_long`,
 moerun.kernels.ops.FEATURE_ARGS) is launched as the fast step launches it at OLMoE-1B-7B's shape (16 heads of 128,
@@ -8,7 +8,9 @@ f16 caches of n_ctx positions, full QK-norm + NeoX RoPE prologue, the fused comb
 kernel replaced by a recorder, then compiled for sm_90 with Triton's bundled ptxas (`sass_qgemm.compile_launch`).
 Reported: splits at 132 SMs, registers per thread, shared memory, the programs per SM both allow (65,536 registers,
 228 KB), the tile loop's instructions (per tile and per 64 positions) and its global loads, cp.async copies
-(LDGSTS) and tensor-core instructions. How NOTES.md's static tables (9c, 9e, 9g) were made.
+(LDGSTS) and tensor-core instructions. How NOTES.md's static tables (9c, 9e, 9g) were made. --check: exit 1
+where a variant's resources leave fewer programs per SM than its split policy aims at (`programs_per_sm`: its
+splits would then run in two waves; tests/bench/test_sass_attention.py runs it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class _Recorder:
 
 
 def variant(name: str) -> ak.AttnVariant:
+    """short, long, a feature's name, or any of them @N: with N programs per SM instead."""
+    if "@" in name:
+        base, _, pps = name.partition("@")
+        return variant(base)._replace(programs_per_sm=int(pps))
     if name == "short":
         return ak.ATTN_SHORT
     if name == "long":
@@ -76,13 +82,22 @@ def record(v: ak.AttnVariant, n_ctx: int) -> tuple[int, tuple, dict]:
     return splits, args, kw
 
 
-def main() -> None:
+def fits(regs: int, smem: int, warps: int) -> tuple[int, int]:
+    """Programs of `warps` warps an sm_90 SM holds at `regs` registers per thread and `smem` bytes of shared
+    memory each: (by registers, by shared memory)."""
+    return REGS_PER_SM // (regs * 32 * warps), SMEM_PER_SM // (smem + SMEM_RESERVED)
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     feats = [f for f, kw in FEATURE_ARGS.items() if "attn_long" in kw]
     ap.add_argument("--variants", default=",".join(["short", "long", *feats]))
     ap.add_argument("--n-ctx", type=int, default=4224, help="cache positions (the bench's -d 4096 cache: 4224)")
     ap.add_argument("--dump", default=None, help="write each variant's SASS into this folder")
+    ap.add_argument("--check", action="store_true", help="exit 1 where a variant fits fewer programs per SM than "
+                    "its programs_per_sm")
     args = ap.parse_args()
+    short = []
     print("| variant | tile, warps, stages | splits | registers | shared KB | programs / SM (regs, smem) "
           "| loop instr. per tile | per 64 positions | LDG | LDGSTS | HMMA |\n|---|---|---:|---:|---:|---|---:|---:|"
           "---:|---:|---:|")
@@ -97,15 +112,20 @@ def main() -> None:
                 f.write(sass)
         regs = int(re.findall(r"REG:(\d+)", res)[0])
         smem = ck.metadata.shared
-        by_regs = REGS_PER_SM // (regs * 32 * v.warps)
-        by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED)
+        by_regs, by_smem = fits(regs, smem, v.warps)
+        if min(by_regs, by_smem) < v.programs_per_sm:
+            short.append(f"{name}: {min(by_regs, by_smem)} programs per SM fit ({regs} registers, {smem} B shared), "
+                         f"its split policy aims at {v.programs_per_sm}")
         body = main_loop(sass)
         cls = Counter(classify(op) for op in body)
         hmma = sum(op.startswith("HMMA") for op in body)
         print(f"| {name} | {v.block_n}, {v.warps}, {v.stages or '-'} | {splits} | {regs} | {smem / 1024:.0f} "
               f"| {min(by_regs, by_smem)} ({by_regs}, {by_smem}) | {len(body)} | {len(body) * 64 // v.block_n} "
               f"| {cls['LDG']} | {cls['LDGSTS']} | {hmma} |", flush=True)
+    for line in short:
+        print(line)
+    return 1 if args.check and short else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
