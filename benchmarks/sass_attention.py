@@ -23,7 +23,7 @@ from collections import Counter
 os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret
 
 import torch  # noqa: E402
-from sass_qgemm import classify, compile_launch, main_loop, sass_of  # noqa: E402
+from sass_qgemm import _Recorder, classify, compile_launch, main_loop, sass_of  # noqa: E402
 
 from moerun.kernels.ops import FEATURE_ARGS  # noqa: E402
 from moerun.kernels.triton import attention as ak  # noqa: E402
@@ -31,19 +31,6 @@ from moerun.kernels.triton.decode_ops import rope_table  # noqa: E402
 
 H, D, SMS = 16, 128, 132
 REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 228 * 1024, 1024  # sm_90; the driver reserves 1 KB per block
-
-
-class _Recorder:
-    """Stands in for the @triton.jit kernel: kernel[grid](*args, **kw) records the launch."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.launch = fn, None
-
-    def __getitem__(self, grid):
-        def go(*args, **kw) -> None:
-            self.launch = (args, kw)
-
-        return go
 
 
 def variant(name: str) -> ak.AttnVariant:
