@@ -21,7 +21,7 @@ import torch
 from _timing import capture_graph, event_ms
 
 from moerun.kernels import reference as ref
-from moerun.kernels.ops import FEATURE_ARGS
+from moerun.kernels.ops import attention_features
 from moerun.kernels.triton import attention as ak
 from moerun.kernels.triton import decode_ops as ops
 
@@ -138,13 +138,12 @@ def main() -> None:
         bench_attention(dtype, [1, 17, 128, 512, 4095, 4096], sm, bw, rows)
     # 4 programs per SM (33 splits at OLMoE's shape): faster here at 4,096, 5% slower in the step (NOTES.md 8a)
     bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" pps=4", programs_per_sm=4)
-    # the ops features' long-phase variants not yet measured (moerun.kernels.ops.FEATURE_ARGS), each row tagged
+    # the ops features' long-phase variants not yet measured (moerun.kernels.ops.attention_features), each row tagged
     # with its feature's name (`sweep_ops.py --attn` picks the fastest for the whole-step A/B); no RoPE prologue here
-    for name, args in FEATURE_ARGS.items():
-        if "attn_long" in args:
-            block_n, warps, pps, _early, ahead, dot, stages = args["attn_long"]
-            bench_attention(torch.float16, [2048, 4096], sm, bw, rows, block_n, warps, pps, tag=f" {name}",
-                            ahead=ahead, dot=dot, stages=stages)
+    for name, fields in attention_features().items():
+        v = ak.AttnVariant(*fields)
+        bench_attention(torch.float16, [2048, 4096], sm, bw, rows, v.block_n, v.warps, v.programs_per_sm,
+                        tag=f" {name}", ahead=v.ahead, dot=v.dot, stages=v.stages)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

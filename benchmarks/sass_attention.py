@@ -25,7 +25,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret
 import torch  # noqa: E402
 from sass_qgemm import _Recorder, classify, compile_launch, main_loop, sass_of  # noqa: E402
 
-from moerun.kernels.ops import FEATURE_ARGS  # noqa: E402
+from moerun.kernels.ops import attention_features  # noqa: E402
 from moerun.kernels.triton import attention as ak  # noqa: E402
 from moerun.kernels.triton.decode_ops import rope_table  # noqa: E402
 
@@ -42,10 +42,10 @@ def variant(name: str) -> ak.AttnVariant:
         return ak.ATTN_SHORT
     if name == "long":
         return ak.ATTN_LONG
-    if "attn_long" not in FEATURE_ARGS.get(name, {}):
-        feats = [f for f, kw in FEATURE_ARGS.items() if "attn_long" in kw]
+    feats = attention_features()
+    if name not in feats:
         raise SystemExit(f"unknown variant {name!r}: short, long or one of {', '.join(feats) or '(no features)'}")
-    return ak.AttnVariant(*FEATURE_ARGS[name]["attn_long"])
+    return ak.AttnVariant(*feats[name])
 
 
 def record(v: ak.AttnVariant, n_ctx: int) -> tuple[int, tuple, dict]:
@@ -77,8 +77,7 @@ def fits(regs: int, smem: int, warps: int) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    feats = [f for f, kw in FEATURE_ARGS.items() if "attn_long" in kw]
-    ap.add_argument("--variants", default=",".join(["short", "long", *feats]))
+    ap.add_argument("--variants", default=",".join(["short", "long", *attention_features()]))
     ap.add_argument("--n-ctx", type=int, default=4224, help="cache positions (the bench's -d 4096 cache: 4224)")
     ap.add_argument("--dump", default=None, help="write each variant's SASS into this folder")
     ap.add_argument("--check", action="store_true", help="exit 1 where a variant fits fewer programs per SM than "

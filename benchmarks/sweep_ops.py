@@ -59,10 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = json.loads(args.json.read_text())["rows"]
         if args.attn:
-            from moerun.kernels.ops import FEATURE_ARGS
+            from moerun.kernels.ops import attention_features
 
-            feats = {name for name, kw in FEATURE_ARGS.items() if "attn_long" in kw}
-            print(",".join(ops_from_attn(rows, feats, args.top)))
+            print(",".join(ops_from_attn(rows, set(attention_features()), args.top)))
         elif args.kind is None:
             raise ValueError("--kind is required without --attn")
         else:

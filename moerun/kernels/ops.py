@@ -57,6 +57,13 @@ FEATURE_ARGS: dict[str, dict[str, Any]] = {
     "pipe32p6": {"attn_long": (32, 4, 6, False, False, True, 2)},
     "pipe64": {"attn_long": (64, 4, 3, False, False, True, 3)},
 }
+
+
+def attention_features() -> dict[str, tuple]:
+    """The features that set a long-phase attention variant: name -> its `attn_long` fields."""
+    return {name: kw["attn_long"] for name, kw in FEATURE_ARGS.items() if "attn_long" in kw}
+
+
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"
 # "KIND@BMxNBxWARPS" features: the byte kernels' products of float weights a tile can be given for ("out": a
 # matvec of at least `qmatvec.LARGE_MV_ROWS` rows, the output matrix; "mv": the smaller ones)
