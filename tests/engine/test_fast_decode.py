@@ -221,7 +221,9 @@ def test_attention_phases() -> None:
     assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG) == 1601
     assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG, min_split=128) == 3201  # NOTES.md 8n
     assert ak.attention_long_from(1600, 16, 132, short, ak.ATTN_LONG) is None  # never reached
-    assert ak.attention_long_from(4224, 16, 132, short, short) is None  # no more splits: no gain
+    assert ak.attention_long_from(4224, 16, 132, short, short) is None  # the same variant: no second phase
+    same_splits = (32, 4, 3, False, True, True, 0)  # `dot32a`: as many splits as short, another loop
+    assert ak.attention_long_from(4224, 16, 132, short, same_splits) == 1601
     assert ak.attention_long_from(1 << 20, 4, 132, short, ak.ATTN_LONG) == 99 * 64 + 1
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)

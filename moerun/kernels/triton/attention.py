@@ -57,13 +57,13 @@ ATTN_LONG = AttnVariant(ATTN_BLOCK_N, 4, 4, False, False, False, 0)
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
                         min_split: int = ATTN_MIN_SPLIT) -> int | None:
     """The KV length from which the `long` variant runs instead of `short`: the first at which `short`'s split
-    policy has every split live (`_live_splits`) while `long`'s has more; None where it never does (a context
-    `short`'s splits already cut into min_split-position pieces)."""
+    policy has every split live (`_live_splits`); None where it never does (a context `short`'s splits already cut
+    into min_split-position pieces) or where `long` is `short`. (`long` may have more splits than `short`, 4
+    programs per SM against 3, or as many, walked differently.)"""
     short, long = AttnVariant(*short), AttnVariant(*long)
     s_short = attention_splits(n_ctx, n_head, sm_count, short.block_n, short.programs_per_sm)
-    s_long = attention_splits(n_ctx, n_head, sm_count, long.block_n, long.programs_per_sm)
     start = max(min_split, short.block_n) * s_short + 1
-    return start if s_long > s_short and start <= n_ctx else None
+    return start if long != short and start <= n_ctx else None
 
 
 def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN_BLOCK_N,
