@@ -171,14 +171,18 @@ for stage in "$@"; do
       echo "compute-sanitizer $tool over pytest -k '${spec#*:}': exit $?" | tee -a "$LOG"
       grep -v "^Warning\|UserWarning\|warnings.warn" "$OUT/sanitizetest-$tool.txt" | tail -12 | tee -a "$LOG" ;;
     ncu:*)  # hardware counters of one eager decode step (Firecracker machines; --clock-control none: METHOD.md);
-      # NCU_DEPTH: tokens prefilled first (default 16), so the attention runs at that depth
+      # NCU_DEPTH: tokens prefilled first (default 16), so the attention runs at that depth; NCU_OPS: the decode ops
+      # (--ops); NCU_KERNEL: only kernels whose name matches this regex (e.g. _attn_split)
       t=${stage#*:}; f=/tmp/olmoe-1b-7b-$t.gguf; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
       [ -f "$f" ] || timeout 300 python3 -m moerun synth --preset olmoe-1b-7b --type "$t" -o "$f" --no-progress \
         2>&1 | tail -1
+      tag=$t${NCU_OPS:+-${NCU_OPS//+/-}}
       timeout 400 "$NCU" --profile-from-start off --clock-control none --csv --page raw \
+        ${NCU_KERNEL:+--kernel-name "regex:$NCU_KERNEL"} \
         --metrics "$(python3 benchmarks/ncu_step.py --metrics)" python3 benchmarks/ncu_step.py "$f" \
-        --depth "${NCU_DEPTH:-16}" > "$OUT/ncu-$t.csv" 2> "$OUT/ncu-$t.err"; tail -3 "$OUT/ncu-$t.err" | tee -a "$LOG"
-      python3 benchmarks/ncu_step.py --summarise "$OUT/ncu-$t.csv" 2>&1 | tee -a "$LOG" ;;
+        --depth "${NCU_DEPTH:-16}" ${NCU_OPS:+--ops "$NCU_OPS"} > "$OUT/ncu-$tag.csv" 2> "$OUT/ncu-$tag.err"
+      tail -3 "$OUT/ncu-$tag.err" | tee -a "$LOG"
+      python3 benchmarks/ncu_step.py --summarise "$OUT/ncu-$tag.csv" 2>&1 | tee -a "$LOG" ;;
     decodetests)  # DECODE_TESTS_K: a pytest -k filter (e.g. "not unpadded and not bytes" for a shorter run)
       MOERUN_TEST_DEVICE=cuda timeout 560 python3 -m pytest -q tests/kernels/test_embed.py tests/kernels/test_wmatvec.py \
         tests/kernels/test_decode_ops.py tests/kernels/test_attention.py tests/kernels/test_imatvec.py tests/kernels/test_qmatvec.py \

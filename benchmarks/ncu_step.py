@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--depth", type=int, default=16, help="tokens prefilled before the profiled steps")
+    ap.add_argument("--ops", default=None, help="decode ops, as `moerun bench --ops` (default triton)")
     ap.add_argument("--metrics", action="store_true", help="print the --metrics list for ncu and exit")
     ap.add_argument("--summarise", metavar="CSV", help="summarise ncu's --csv --page raw output and exit")
     args = ap.parse_args()
@@ -106,7 +107,7 @@ def main() -> None:
 
     if args.depth < 1:
         sys.exit(f"ncu_step.py: --depth must be at least 1, got {args.depth}")
-    eng = Engine(args.model, n_ctx=max(512, args.depth + 64), fast=True, graph=False)
+    eng = Engine(args.model, n_ctx=max(512, args.depth + 64), fast=True, graph=False, ops=args.ops)
     tok = eng.prefill([1 + i % 1000 for i in range(args.depth)])
     for _ in range(4):
         tok = eng.decode(tok)
