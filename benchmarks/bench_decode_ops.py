@@ -46,8 +46,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
                     block_n: int = ak.ATTN_BLOCK_N, num_warps: int = 4,
                     programs_per_sm: int = ak.ATTN_PROGRAMS_PER_SM, tag: str = "",
-                    min_split: int = ak.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False,
-                    stages: int = 0) -> None:
+                    min_split: int = ak.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
@@ -61,7 +60,7 @@ def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, 
 
         def call(i: int, split: bool = True, reduce: bool = True, kv_len_t: torch.Tensor = kv_len_t) -> None:
             ak.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce,
-                                 min_split=min_split, ahead=ahead, dot=dot, stages=stages)
+                                 min_split=min_split, ahead=ahead, dot=dot)
 
         call(0)
         want = ref.attention(q[None], ks[0][:L], vs[0][:L], torch.tensor([L - 1], device="cuda"), scale)[0]
@@ -143,7 +142,7 @@ def main() -> None:
     for name, fields in attention_features().items():
         v = ak.AttnVariant(*fields)
         bench_attention(torch.float16, [2048, 4096], sm, bw, rows, v.block_n, v.warps, v.programs_per_sm,
-                        tag=f" {name}", ahead=v.ahead, dot=v.dot, stages=v.stages)
+                        tag=f" {name}", ahead=v.ahead, dot=v.dot)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

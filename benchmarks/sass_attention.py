@@ -1,6 +1,6 @@
 """Static SASS of the split attention kernel (kernels/triton/attention.py) for sm_90, without a GPU.
 
-    python benchmarks/sass_attention.py [--variants short,long,pipe32,...] [--n-ctx 4224] [--dump DIR] [--check]
+    python benchmarks/sass_attention.py [--variants short,long,dot32,...] [--n-ctx 4224] [--dump DIR] [--check]
 
 Each variant (`short` / `long`: attention.ATTN_SHORT / ATTN_LONG; any other name: an ops feature's `attn_long`,
 moerun.kernels.ops.FEATURE_ARGS) is launched as the fast step launches it at OLMoE-1B-7B's shape (16 heads of 128,
@@ -60,7 +60,7 @@ def record(v: ak.AttnVariant, n_ctx: int) -> tuple[int, tuple, dict]:
         ak.attention_decode(torch.randn(H, D), kc, kc.clone(), torch.tensor([n_ctx]), D ** -0.5, 0,
                             torch.empty(H, D), ak.attention_scratch(H, D, splits, "cpu"), block_n=v.block_n,
                             num_warps=v.warps, rope=rope, counters=torch.zeros(H, dtype=torch.int32), early=v.early,
-                            ahead=v.ahead, dot=v.dot, stages=v.stages)
+                            ahead=v.ahead, dot=v.dot)
     finally:
         ak._attn_split_kernel = real
     args, kw = rec.launch
@@ -84,7 +84,7 @@ def main() -> int:
                     "its programs_per_sm")
     args = ap.parse_args()
     short = []
-    print("| variant | tile, warps, stages | splits | registers | shared KB | programs / SM (regs, smem) "
+    print("| variant | tile, warps | splits | registers | shared KB | programs / SM (regs, smem) "
           "| loop instr. per tile | per 64 positions | LDG | LDGSTS | HMMA |\n|---|---|---:|---:|---:|---|---:|---:|"
           "---:|---:|---:|")
     for name in args.variants.split(","):
@@ -105,7 +105,7 @@ def main() -> int:
         body = main_loop(sass)
         cls = Counter(classify(op) for op in body)
         hmma = sum(op.startswith("HMMA") for op in body)
-        print(f"| {name} | {v.block_n}, {v.warps}, {v.stages or '-'} | {splits} | {regs} | {smem / 1024:.0f} "
+        print(f"| {name} | {v.block_n}, {v.warps} | {splits} | {regs} | {smem / 1024:.0f} "
               f"| {min(by_regs, by_smem)} ({by_regs}, {by_smem}) | {len(body)} | {len(body) * 64 // v.block_n} "
               f"| {cls['LDG']} | {cls['LDGSTS']} | {hmma} |", flush=True)
     for line in short:

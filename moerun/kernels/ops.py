@@ -25,10 +25,6 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {
-    "ahead32": "the long attention phase on tiles of 32 positions, each next tile's loads issued before the tile "
-               "before's arithmetic (126 registers: 4 programs per SM; NOTES.md 9c)",
-    "ahead64": "the long attention phase's next 64-position tile loaded before the tile before's arithmetic "
-               "(221 registers: 2 programs per SM, splits of twice the positions; NOTES.md 9c)",
     "dot32": "the long attention phase's q.k and p.v on the tensor cores (f16 caches), tiles of 32 positions (114 "
              "registers: 4 programs per SM; NOTES.md 9e)",
     "dot64": "the long attention phase's q.k and p.v on the tensor cores (f16 caches), tiles of 64 positions (166 "
@@ -36,26 +32,14 @@ FEATURES: dict[str, str] = {
     "dot32a": "dot32 with each next tile's loads before the tile before's arithmetic (162 registers: 3 programs per "
               "SM; NOTES.md 9e)",
     "dot64a": "dot64 with each next tile's loads before the tile before's arithmetic (226 registers: 2 programs per "
-              "SM, as ahead64; NOTES.md 9e)",
-    "pipe32": "dot32 with every tile of a split, the first too, in one loop Triton software-pipelines 3 stages deep "
-              "(asynchronous copies into shared memory, 2 tiles in flight; 72 registers, 37 KB: 4 programs per SM; "
-              "NOTES.md 9g)",
-    "pipe32s4": "pipe32 4 stages deep (3 tiles in flight: a d4096 split's 4 tiles nearly at once; 53 KB)",
-    "pipe32p6": "pipe32 2 stages deep with 6 programs per SM (50 splits at OLMoE's shape; 72 registers, 21 KB)",
-    "pipe64": "the pipelined loop on 64-position tiles, 3 stages (94 registers, 70 KB: 3 programs per SM)",
+              "SM; NOTES.md 9e)",
 }
-# (attn_long: an attention.AttnVariant's fields in order: block_n, warps, programs_per_sm, early, ahead, dot, stages)
+# (attn_long: an attention.AttnVariant's fields in order: block_n, warps, programs_per_sm, early, ahead, dot)
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
-    "ahead32": {"attn_long": (32, 4, 4, False, True, False, 0)},
-    "ahead64": {"attn_long": (64, 4, 2, False, True, False, 0)},
-    "dot32": {"attn_long": (32, 4, 4, False, False, True, 0)},
-    "dot64": {"attn_long": (64, 4, 3, False, False, True, 0)},
-    "dot32a": {"attn_long": (32, 4, 3, False, True, True, 0)},
-    "dot64a": {"attn_long": (64, 4, 2, False, True, True, 0)},
-    "pipe32": {"attn_long": (32, 4, 4, False, False, True, 3)},
-    "pipe32s4": {"attn_long": (32, 4, 4, False, False, True, 4)},
-    "pipe32p6": {"attn_long": (32, 4, 6, False, False, True, 2)},
-    "pipe64": {"attn_long": (64, 4, 3, False, False, True, 3)},
+    "dot32": {"attn_long": (32, 4, 4, False, False, True)},
+    "dot64": {"attn_long": (64, 4, 3, False, False, True)},
+    "dot32a": {"attn_long": (32, 4, 3, False, True, True)},
+    "dot64a": {"attn_long": (64, 4, 2, False, True, True)},
 }
 
 

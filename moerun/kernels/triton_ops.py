@@ -53,7 +53,7 @@ class TritonOps:
     ranked the experts itself: that gate/up launched `late`, the down ranking them again from the logits).
     attn_short, attn_long: the split attention's variants (`attention.AttnVariant`: KV positions per tile, warps,
     programs per SM its split policy aims at, first tile with the RoPE prologue's loads, next tiles' loads ahead of the
-    tile before's arithmetic, q.k and p.v on the tensor cores for f16 caches, software-pipeline stages or 0) for the
+    tile before's arithmetic, q.k and p.v on the tensor cores for f16 caches) for the
     phases of the context's length (`attention_phases`; the fast step captures a graph per phase): short from length 1
     (`attention.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
     (default `attention.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
@@ -337,8 +337,7 @@ class TritonOps:
         v = self._attn_variant(k_cache, out, window)
         return dict(scratch=self._attention_scratch(k_cache, out, v.block_n, v.programs_per_sm),
                     counters=self._attn_counters(out), block_n=v.block_n, num_warps=v.warps, early=v.early,
-                    ahead=v.ahead, dot=v.dot, stages=v.stages,
-                    min_split=self.attn_min_split)
+                    ahead=v.ahead, dot=v.dot, min_split=self.attn_min_split)
 
     def _attn_counters(self, out: torch.Tensor) -> torch.Tensor | None:
         return self._counters(out.shape[0], out.device) if self.attn_fused else None

@@ -184,7 +184,8 @@ def test_make_ops_names() -> None:
     for gone in ("pair", "nfused", "down4", "mvahead", "dnorm", "down2", "attnearly", "pdl", "pdlpre",
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
                  "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead", "gupersist",
-                 "gupre", "attnlongpre", "attnlongk", "argmax1", "kvl2", "kvl2all"):
+                 "gupre", "attnlongpre", "attnlongk", "argmax1", "kvl2", "kvl2all", "ahead32", "ahead64", "pipe32",
+                 "pipe32s4", "pipe32p6", "pipe64"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -215,20 +216,20 @@ def test_attention_phases() -> None:
     from moerun.kernels.triton_ops import TritonOps
 
     short = ak.ATTN_SHORT
-    assert short == (ak.ATTN_BLOCK_N, 4, ak.ATTN_PROGRAMS_PER_SM, True, False, False, 0)
+    assert short == (ak.ATTN_BLOCK_N, 4, ak.ATTN_PROGRAMS_PER_SM, True, False, False)
     # OLMoE (16 heads) on 132 SMs: 25 splits of 64 positions cover 1,600; 33 with the long variant
     assert ak.ATTN_MIN_SPLIT == 64  # NOTES.md 8t
     assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG) == 1601
     assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG, min_split=128) == 3201  # NOTES.md 8n
     assert ak.attention_long_from(1600, 16, 132, short, ak.ATTN_LONG) is None  # never reached
     assert ak.attention_long_from(4224, 16, 132, short, short) is None  # the same variant: no second phase
-    same_splits = (32, 4, 3, False, True, True, 0)  # `dot32a`: as many splits as short, another loop
+    same_splits = (32, 4, 3, False, True, True)  # `dot32a`: as many splits as short, another loop
     assert ak.attention_long_from(4224, 16, 132, short, same_splits) == 1601
     assert ak.attention_long_from(1 << 20, 4, 132, short, ak.ATTN_LONG) == 99 * 64 + 1
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
     # a long variant of fewer splits starts where the default long variant would
-    fewer = TritonOps(attn_long=(64, 4, 2, False, True, False, 0))
+    fewer = TritonOps(attn_long=(64, 4, 2, False, True, False))
     assert fewer.attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)
     # a feature's long variant reaches the launch (`dot64`: the tensor-core tile) in the long phase only
     feat = make_ops("triton+dot64")
@@ -236,12 +237,7 @@ def test_attention_phases() -> None:
     assert feat._attn_launch(k16, o, 0)["dot"] is False
     feat.attn_phase = 1
     launch = feat._attn_launch(k16, o, 0)
-    assert (launch["dot"], launch["ahead"], launch["block_n"], launch["stages"]) == (True, False, 64, 0)
-    pipe = make_ops("triton+pipe32s4")  # and a pipelined one's stages
-    assert pipe._attn_launch(k16, o, 0)["stages"] == 0
-    pipe.attn_phase = 1
-    launch = pipe._attn_launch(k16, o, 0)
-    assert (launch["dot"], launch["early"], launch["block_n"], launch["stages"]) == (True, False, 32, 4)
+    assert (launch["dot"], launch["ahead"], launch["block_n"]) == (True, False, 64)
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant

@@ -1,5 +1,5 @@
 """The split attention (moerun/kernels/triton/attention.py) vs the plain-torch reference on fresh random inputs:
-every split-loop variant (`AttnVariant`: tiles, ahead, tensor cores, pipelined stages), the RoPE prologue with this
+every split-loop variant (`AttnVariant`: tiles, ahead, tensor cores), the RoPE prologue with this
 step's row stored and read back, the fused combine, the quantized and permuted outputs, the split policy.
 
 Runs on CUDA when available, else on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
@@ -33,25 +33,21 @@ def _modes(names: str, rows: list[tuple]) -> list[Any]:
                                             + [k for k, on in zip(keys, row[1:], strict=True) if on])) for row in rows]
 
 
-# (cache dtype, ahead, dot, pipelined stages): DOT runs on f16 caches only (`attention.dot_ok`)
-ATTN_MODES = [(dt, ahead, False, 0) for dt in (torch.float32, torch.float16, torch.bfloat16)
-              for ahead in (False, True)] \
-    + [(torch.float16, False, True, 0), (torch.float16, True, True, 0)] \
-    + [(torch.float32, False, False, 3), (torch.bfloat16, False, False, 2), (torch.float16, False, True, 3)]
+# (cache dtype, ahead, dot): DOT runs on f16 caches only (`attention.dot_ok`)
+ATTN_MODES = [(dt, ahead, False) for dt in (torch.float32, torch.float16, torch.bfloat16) for ahead in (False, True)] \
+    + [(torch.float16, False, True), (torch.float16, True, True)]
 
 
-@pytest.mark.parametrize("cache_dtype,ahead,dot,stages", _modes("cache_dtype,ahead,dot,stages", ATTN_MODES))
+@pytest.mark.parametrize("cache_dtype,ahead,dot", _modes("cache_dtype,ahead,dot", ATTN_MODES))
 @pytest.mark.parametrize("window", [0, 8])
 @pytest.mark.parametrize("kv_len", [1, 17, 70])
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits", [(3, 1, 16, 16, 4), (3, 3, 32, 32, 7), (4, 2, 32, 16, 1),
                                                    (8, 1, 16, 16, 3)])
 def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int, kv_len: int,
-                          window: int, cache_dtype: torch.dtype, ahead: bool, dot: bool, stages: int) -> None:
+                          window: int, cache_dtype: torch.dtype, ahead: bool, dot: bool) -> None:
     """Against the reference, the cache outside the window poisoned with NaN (never read); with `ahead` each next
     tile's loads before the tile before's arithmetic (masked past the chunk: a split of 70 positions in one program
-    walks 5 tiles of 16, the last partial, the masked one after it); with `dot` q.k and p.v on the tensor cores; with
-    `stages` every tile in one pipelined loop of `attention_tiles` trips (tiles past a chunk masked; kv_len 1 or a
-    window of 8 in one split of 96 positions: 1 live tile, 5 masked)."""
+    walks 5 tiles of 16, the last partial, the masked one after it); with `dot` q.k and p.v on the tensor cores."""
     n_ctx, scale = 96, d ** -0.5
     q = randn(gen, h, d, scale=2.0)
     k_cache = randn(gen, n_ctx, hkv, d).to(cache_dtype)
@@ -67,32 +63,8 @@ def test_attention_decode(gen: torch.Generator, h: int, hkv: int, d: int, dv: in
     # min_split 16: one live split per 16 positions (kv_len 70 over 7 splits: 5 live, 2 idle; the NaN scratch of the
     # idle ones is never read)
     ak.attention_decode(q, k_cache, v_cache, kv_len_t, scale, window, out, scratch, block_n=16, min_split=16,
-                         ahead=ahead, dot=dot, stages=stages)
+                         ahead=ahead, dot=dot)
     close(out, want)
-
-
-@pytest.mark.parametrize("n_ctx,n_splits,block_n,min_split", [(96, 4, 16, 16), (96, 1, 16, 16), (4224, 33, 32, 64),
-                                                               (4224, 25, 64, 64), (300, 7, 16, 128), (50, 9, 32, 32)])
-def test_attention_tiles(n_ctx: int, n_splits: int, block_n: int, min_split: int) -> None:
-    """attention_tiles: the most tiles of live rows any split walks, over every KV length up to n_ctx (the chunks
-    as `_live_splits` and `_attn_split_kernel` cut them; a window's shorter range is one of these lengths): never
-    fewer (the pipelined loop would drop rows), and no more at these shapes (OLMoE's long phase among them)."""
-    most = 0
-    for n in range(1, n_ctx + 1):
-        live = max(min(-(-n // min_split), n_splits), 1)
-        per_live = -(-n // live)
-        chunk = -(-per_live // block_n) * block_n
-        most = max(most, -(-min(chunk, n) // block_n))
-    assert ak.attention_tiles(n_ctx, n_splits, block_n, min_split) == most
-
-
-def test_attention_stages_args() -> None:
-    """stages: not with ahead, nor with the early tile and rope (its stored row would be read before its barrier)."""
-    q, kc = torch.zeros(2, 16), torch.zeros(8, 1, 16)
-    for kw in (dict(ahead=True), dict(early=True, rope=object()), dict(stages=-1)):
-        with pytest.raises(ValueError, match="stages"):
-            ak.attention_decode(q, kc, kc, torch.tensor([1]), 0.25, 0, torch.zeros(2, 16),
-                                 ak.attention_scratch(2, 16, 1, "cpu"), stages=kw.pop("stages", 2), **kw)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -140,22 +112,20 @@ def _step_inputs(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_ctx:
     return q, k, v, qw, kw, table, k_cache, v_cache
 
 
-ROW_MODES = "cache_dtype,fused,early,ahead,dot,stages"
+ROW_MODES = "cache_dtype,fused,early,ahead,dot"
 
 
 @pytest.mark.parametrize(ROW_MODES, _modes(ROW_MODES, [
-    (dt, *mode, False, 0) for dt in (torch.float16, torch.bfloat16, torch.float32)
+    (dt, *mode, False) for dt in (torch.float16, torch.bfloat16, torch.float32)
     for mode in ((True, True, False), (False, True, False), (True, False, False), (True, False, True),
                  (False, True, True))]
-    + [(torch.float16, True, False, False, True, 0), (torch.float16, False, True, True, True, 0)]
-    + [(torch.float16, True, False, False, True, 3), (torch.bfloat16, True, False, False, False, 2),
-       (torch.float32, False, False, False, False, 4)]))
+    + [(torch.float16, True, False, False, True), (torch.float16, False, True, True, True)]))
 @pytest.mark.parametrize("h,hkv,d,dv,n_splits,kv_len,window", [
     (3, 1, 16, 16, 4, 1, 0), (3, 3, 32, 32, 7, 17, 0), (4, 2, 32, 16, 3, 70, 8), (8, 1, 16, 16, 1, 40, 0),
     (2, 2, 64, 64, 5, 33, 0), (2, 1, 32, 32, 2, 80, 0)])
 def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: int, d: int, dv: int, n_splits: int,
                                            kv_len: int, window: int, fused: bool, early: bool, ahead: bool,
-                                           dot: bool, stages: int, cache_dtype: torch.dtype) -> None:
+                                           dot: bool, cache_dtype: torch.dtype) -> None:
     """The split programs load their first K / V tile before this step's row is stored: where that tile holds
     position len-1 its row comes from registers (cast to the cache's dtype), where a later tile holds it the loop
     reads it back after a barrier (kv_len 40 in one split: its third tile; 80 in two of 48: the second's second tile;
@@ -165,8 +135,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
     positions, the fused reduce and the reduce launch); also with the first tile loaded after the prologue and its
     barrier instead (`early` False, `attention.ATTN_LONG`), and with each next tile's loads ahead of the tile
     before's arithmetic (`ahead`: the second tile's loads come after the store's barrier; kv_len 40 / 80), and with
-    q.k and p.v on the tensor cores (`dot`, f16: the row from registers kept in f16), and with every tile in one
-    pipelined loop (`stages`: the stored row read back after the prologue's barrier, the first tile's too)."""
+    q.k and p.v on the tensor cores (`dot`, f16: the row from registers kept in f16)."""
     n_ctx, eps, scale = 96, 1e-6, d ** -0.5
     q, k, v, qw, kw, table, k_cache, v_cache = _step_inputs(gen, h, hkv, d, dv, n_ctx, cache_dtype)
     k_cache[kv_len - 1], v_cache[kv_len - 1] = float("nan"), float("nan")  # the row this step writes
@@ -182,7 +151,7 @@ def test_attention_decode_row_in_registers(gen: torch.Generator, h: int, hkv: in
                          min_split=16, out_x24=out24,
                          counters=torch.zeros(h, dtype=torch.int32, device=DEV) if fused else None,
                          rope=ak.RopeStore(k, v, qw, kw, table, eps, "full", "neox"), early=early, ahead=ahead,
-                         dot=dot, stages=stages)
+                         dot=dot)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     close(out, want)
     if x24:

@@ -45,13 +45,12 @@ class AttnVariant(NamedTuple):
     early: bool  # the first tile loaded with the RoPE prologue's loads (`_attn_split_kernel` EARLY)
     ahead: bool  # each next tile's loads before the tile before's arithmetic (AHEAD)
     dot: bool  # q.k and p.v on the tensor cores where the caches are f16 (DOT)
-    stages: int  # every tile in one loop software-pipelined this many stages deep; 0: the plain loop (STAGES)
 
 
-ATTN_SHORT = AttnVariant(ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False, False, 0)
+ATTN_SHORT = AttnVariant(ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False, False)
 # the first tile after the RoPE prologue (128 registers at OLMoE's shape, no spills) so 4 programs fit an SM; at
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
-ATTN_LONG = AttnVariant(ATTN_BLOCK_N, 4, 4, False, False, False, 0)
+ATTN_LONG = AttnVariant(ATTN_BLOCK_N, 4, 4, False, False, False)
 
 
 def attention_long_from(n_ctx: int, n_head: int, sm_count: int, short: AttnVariant, long: AttnVariant,
@@ -77,14 +76,6 @@ def attention_splits(n_ctx: int, n_head: int, sm_count: int, block_n: int = ATTN
     """
     tiles = max(1, -(-n_ctx // block_n))
     return max(1, min(tiles, -(-programs_per_sm * sm_count // n_head)))
-
-
-def attention_tiles(n_ctx: int, n_splits: int, block_n: int, min_split: int) -> int:
-    """The most block_n-position tiles of live rows a split walks (`_live_splits`, `_attn_split_kernel`) at any KV
-    length up to n_ctx, min_split = the kernel's MIN_SPLIT (>= block_n): while fewer than n_splits are live a chunk
-    holds at most min_split positions, once all are live at most ceil(n_ctx / n_splits); never more than n_ctx."""
-    per_split = -(-n_ctx // n_splits)
-    return min(max(-(-min_split // block_n), -(-per_split // block_n)), -(-n_ctx // block_n))
 
 
 def attention_scratch(n_head: int, head_dim_v: int, n_splits: int,
@@ -184,8 +175,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
                        NEOX: tl.constexpr, K_BF16: tl.constexpr, V_BF16: tl.constexpr, BLOCK_FQ: tl.constexpr,
                        BLOCK_FK: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr, PERM: tl.constexpr,
                        X24: tl.constexpr, MIN_SPLIT: tl.constexpr, EARLY: tl.constexpr = True,
-                       AHEAD: tl.constexpr = False, DOT: tl.constexpr = False, PDL: tl.constexpr = False,
-                       STAGES: tl.constexpr = 0, TILES: tl.constexpr = 1):
+                       AHEAD: tl.constexpr = False, DOT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (h, s): head h's partial softmax over its chunk of [max(0, len-window), len); programs of the idle
     splits (s >= live, `_live_splits`) return at once.
 
@@ -211,12 +201,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     AHEAD: the second tile's loads are issued after the prologue, before the first tile's arithmetic, and in the loop
     each next tile's before the current one's (a register double buffer; the same arithmetic; NOTES.md 9c). DOT
     (f16 caches, BLOCK_N / BLOCK_D / BLOCK_DV >= 16): q.k and p.v as tensor-core products (`_attn_tile_dot`: q and p
-    split into two f16 rows each, f32 accumulation), the tiles never converted to f32 (NOTES.md 9e). STAGES > 0
-    (not with AHEAD, nor EARLY with ROPE): every tile of the chunk, the first too, in one loop of TILES trips
-    (`attention_tiles`; the tiles past the chunk fully masked) that Triton software-pipelines STAGES deep: the tiles'
-    loads become asynchronous copies into shared memory, STAGES - 1 tiles in flight ahead of the arithmetic, no
-    registers held for them; with ROPE the stored row is read back after the prologue's barrier (NOTES.md 9g). (Its
-    first tile, or its K rows, before the PDL wait under a 128-register cap lost 2-4% at depth 4096: NOTES.md 9a.)
+    split into two f16 rows each, f32 accumulation), the tiles never converted to f32 (NOTES.md 9e). (The first
+    tile, or its K rows, before the PDL wait under a 128-register cap lost 2-4% at depth 4096: NOTES.md 9a; every
+    tile in one software-pipelined loop, copies straight into shared memory, lost 2-7%: NOTES.md 9i.)
 
     PDL with ROPE: the length and the idle splits' return come before the PDL wait, and where a head has more than one
     live split the first tile's loads (EARLY) too: only earlier steps write the length and the
@@ -245,7 +232,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
     dv = tl.arange(0, BLOCK_DV)
     k_base = k_ptr + kvh * k_sh
     v_base = v_ptr + kvh * v_sh
-    if (EARLY or not ROPE) and STAGES == 0:
+    if EARLY or not ROPE:
         kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)  # the first tile, with q's loads
     if ROPE:
         wait(PDL)  # q, k, v: this step's (a no-op where it came above)
@@ -276,8 +263,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         q = q * qk_scale
         if not EARLY:
             tl.debug_barrier()  # the prologue's values dead (and the row stored) before the tile's loads are issued
-            if STAGES == 0:
-                kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+            kt, vt = _kv_tile(k_base, v_base, lo, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
     else:
         q = tl.load(q_ptr + h * D + d, mask=d < D, other=0.0) * qk_scale  # [BLOCK_D], log2 domain
     m_i = tl.full([], -float("inf"), tl.float32)
@@ -287,44 +273,34 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, qk_s
         q = _split16(q)  # [16, BLOCK_D] f16
     else:
         acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    if STAGES > 0:  # every tile in one software-pipelined loop (those past the chunk fully masked)
-        for t in tl.range(0, TILES, num_stages=STAGES):
-            n1 = lo + t * BLOCK_N
-            k, v = _kv_tile(k_base, v_base, n1, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-            m_i, l_i, acc = _attn_step(q, k, v, n1 + tl.arange(0, BLOCK_N) < hi, m_i, l_i, acc, DOT)
-        some = lo < hi  # an empty chunk: what the plain loop leaves (its masked tiles gave exp2(-inf - -inf))
-        m_i = tl.where(some, m_i, -float("inf"))
-        l_i = tl.where(some, l_i, 0.0)
-        acc = tl.where(some, acc, 0.0)
+    n0 = lo + BLOCK_N
+    if AHEAD:  # the second tile's loads before the first tile's arithmetic (after the prologue's store)
+        kn, vn = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+    # the first tile, loaded above (an empty chunk: what the loop would leave, m -inf, l 0, acc 0)
+    n = lo + tl.arange(0, BLOCK_N)
+    if not DOT:
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    if ROPE:  # the row len-1 (stale in memory until this launch stores it) from registers
+        at = n == pos
+        kt = tl.where(at[:, None], kc.to(kt.dtype)[None, :], kt)
+        vt = tl.where(at[:, None], vc.to(vt.dtype)[None, :], vt)
+    if DOT:
+        m1, l1, a1 = _attn_tile_dot(q, kt, vt, n < hi, m_i, l_i, acc)
     else:
-        n0 = lo + BLOCK_N
-        if AHEAD:  # the second tile's loads before the first tile's arithmetic (after the prologue's store)
-            kn, vn = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-        # the first tile, loaded above (an empty chunk: what the loop would leave, m -inf, l 0, acc 0)
-        n = lo + tl.arange(0, BLOCK_N)
-        if not DOT:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-        if ROPE:  # the row len-1 (stale in memory until this launch stores it) from registers
-            at = n == pos
-            kt = tl.where(at[:, None], kc.to(kt.dtype)[None, :], kt)
-            vt = tl.where(at[:, None], vc.to(vt.dtype)[None, :], vt)
-        if DOT:
-            m1, l1, a1 = _attn_tile_dot(q, kt, vt, n < hi, m_i, l_i, acc)
+        m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
+    some = lo < hi
+    m_i = tl.where(some, m1, m_i)
+    l_i = tl.where(some, l1, l_i)
+    acc = tl.where(some, a1, acc)
+    while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
+        if AHEAD:  # this tile's arithmetic with the next tile's loads in flight (a register double buffer)
+            k, v = kn, vn
+            kn, vn = _kv_tile(k_base, v_base, n0 + BLOCK_N, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
         else:
-            m1, l1, a1 = _attn_tile(q, kt, vt, n < hi, m_i, l_i, acc)
-        some = lo < hi
-        m_i = tl.where(some, m1, m_i)
-        l_i = tl.where(some, l1, l_i)
-        acc = tl.where(some, a1, acc)
-        while n0 < hi:  # (a while loop: the interpreter cannot range() over a loaded bound)
-            if AHEAD:  # this tile's arithmetic with the next tile's loads in flight (a register double buffer)
-                k, v = kn, vn
-                kn, vn = _kv_tile(k_base, v_base, n0 + BLOCK_N, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-            else:
-                k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
-            m_i, l_i, acc = _attn_step(q, k, v, n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i, acc, DOT)
-            n0 += BLOCK_N
+            k, v = _kv_tile(k_base, v_base, n0, hi, k_sn, v_sn, d, dv, D, DV, BLOCK_N)
+        m_i, l_i, acc = _attn_step(q, k, v, n0 + tl.arange(0, BLOCK_N) < hi, m_i, l_i, acc, DOT)
+        n0 += BLOCK_N
     if DOT:
         acc = tl.sum(acc, 0)  # [BLOCK_DV]: rows 0 + 8
     if FUSED and live == 1:  # the head's only split: its output directly (what the combine of one split gives)
@@ -429,7 +405,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      split: bool = True, reduce: bool = True, out_perm: torch.Tensor | None = None,
                      rope: RopeStore | None = None, out_x24: Any = None,
                      counters: torch.Tensor | None = None, min_split: int = ATTN_MIN_SPLIT,
-                     early: bool = True, ahead: bool = False, dot: bool = False, stages: int = 0) -> torch.Tensor:
+                     early: bool = True, ahead: bool = False, dot: bool = False) -> torch.Tensor:
     """Flash-decoding attention of one query over cache positions max(0, L-window)..L-1 (window 0: 0..L-1).
 
     q: [H, D] f32; k_cache: [n_ctx, Hkv, D], v_cache: [n_ctx, Hkv, Dv] (f32/f16/bf16, rows contiguous; head h
@@ -447,8 +423,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     early (with rope): the first K / V tile loaded with the prologue's loads (the default) or after it
     (`_attn_split_kernel` EARLY); ahead: each next tile's loads issued before the tile before's arithmetic (AHEAD);
     dot: q.k and p.v on the tensor cores (DOT) where both caches are f16 and block_n, D, Dv >= 16 (else ignored);
-    stages > 0: every tile in one loop software-pipelined that many stages deep (STAGES; not with ahead, nor with
-    early and rope);
     with rope and PDL the length and, with several live splits, the first tile (early) come before the PDL wait, its
     trigger after it.
     """
@@ -465,9 +439,6 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   MIN_SPLIT=max(min_split, block_n))
     win = int(window) if window > 0 else NO_WINDOW
     fused = counters is not None and split and reduce
-    if stages < 0 or (stages and (ahead or (early and rope is not None))):
-        raise ValueError(f"stages={stages}: want 0, or > 0 without ahead (and with rope, early=False); "
-                         f"got ahead={ahead}, early={early}, rope={rope is not None}")
     if fused and (counters.numel() < h or counters.dtype != torch.int32):
         raise ValueError(f"counters must be int32 zeros [>= {h}], got {counters.dtype} [{counters.numel()}]")
     if split:
@@ -489,8 +460,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             *outs, counters if fused else m_s,
             G=h // hkv, D=d, DV=dv, N_SPLITS=n_splits, BLOCK_N=block_n, BLOCK_D=_np2(d), BLOCK_DV=_np2(dv),
             **rconst, FUSED=fused, **oconst, EARLY=bool(early), AHEAD=bool(ahead),
-            DOT=bool(dot) and dot_ok(k_cache, v_cache, block_n), STAGES=int(stages),
-            TILES=attention_tiles(k_cache.shape[0], n_splits, block_n, oconst["MIN_SPLIT"]),
+            DOT=bool(dot) and dot_ok(k_cache, v_cache, block_n),
             num_warps=num_warps, **launch_args(q.device))
     if reduce and not fused:
         _attn_reduce_kernel[(h,)](kv_len_t, win, m_s, l_s, acc_s, *outs, DV=dv, N_SPLITS=n_splits,
