@@ -2,8 +2,9 @@
 
     python benchmarks/sass_attention.py [--variants short,long,dot32,...] [--n-ctx 4224] [--dump DIR] [--check]
 
-Each variant (`short` / `long`: attention.ATTN_SHORT / ATTN_LONG; any other name: an ops feature's `attn_long`,
-moerun.kernels.ops.FEATURE_ARGS) is launched as the fast step launches it at OLMoE-1B-7B's shape (16 heads of 128,
+Each variant (`short` / `long` / `long_f16`: attention.ATTN_SHORT / ATTN_LONG / ATTN_LONG_F16; any other name: an
+ops feature's long-phase variant, moerun.kernels.ops.attention_features)
+is launched as the fast step launches it at OLMoE-1B-7B's shape (16 heads of 128,
 f16 caches of n_ctx positions, full QK-norm + NeoX RoPE prologue, the fused combine, PDL) on CPU tensors with the
 kernel replaced by a recorder, then compiled for sm_90 with Triton's bundled ptxas (`sass_qgemm.compile_launch`).
 Reported: splits at 132 SMs, registers per thread, shared memory, the programs per SM both allow (65,536 registers,
@@ -34,7 +35,7 @@ REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 228 * 1024, 1024  # sm_90; the 
 
 
 def variant(name: str) -> ak.AttnVariant:
-    """short, long, a feature's name, or any of them @N: with N programs per SM instead."""
+    """short, long, long_f16, a feature's name, or any of them @N: with N programs per SM instead."""
     if "@" in name:
         base, _, pps = name.partition("@")
         return variant(base)._replace(programs_per_sm=int(pps))
@@ -42,9 +43,12 @@ def variant(name: str) -> ak.AttnVariant:
         return ak.ATTN_SHORT
     if name == "long":
         return ak.ATTN_LONG
+    if name == "long_f16":
+        return ak.ATTN_LONG_F16
     feats = attention_features()
     if name not in feats:
-        raise SystemExit(f"unknown variant {name!r}: short, long or one of {', '.join(feats) or '(no features)'}")
+        raise SystemExit(f"unknown variant {name!r}: short, long, long_f16 or one of "
+                         f"{', '.join(feats) or '(no features)'}")
     return ak.AttnVariant(*feats[name])
 
 
@@ -77,7 +81,7 @@ def fits(regs: int, smem: int, warps: int) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default=",".join(["short", "long", *attention_features()]))
+    ap.add_argument("--variants", default=",".join(["short", "long", "long_f16", *attention_features()]))
     ap.add_argument("--n-ctx", type=int, default=4224, help="cache positions (the bench's -d 4096 cache: 4224)")
     ap.add_argument("--dump", default=None, help="write each variant's SASS into this folder")
     ap.add_argument("--check", action="store_true", help="exit 1 where a variant fits fewer programs per SM than "

@@ -25,27 +25,29 @@ BASES: dict[str, dict[str, Any]] = {
 }
 # feature -> what it switches on (`make_ops` sets its TritonOps arguments, FEATURE_ARGS)
 FEATURES: dict[str, str] = {
+    "plain64": "the long attention phase on f16 caches as on the others (attention.ATTN_LONG: elementwise tiles of "
+               "64 positions, 128 registers, 4 programs per SM; the default before NOTES.md 9i)",
     "dot32": "the long attention phase's q.k and p.v on the tensor cores (f16 caches), tiles of 32 positions (114 "
              "registers: 4 programs per SM; NOTES.md 9e)",
     "dot64": "the long attention phase's q.k and p.v on the tensor cores (f16 caches), tiles of 64 positions (166 "
              "registers: 3 programs per SM; NOTES.md 9e)",
-    "dot32a": "dot32 with each next tile's loads before the tile before's arithmetic (162 registers: 3 programs per "
-              "SM; NOTES.md 9e)",
     "dot64a": "dot64 with each next tile's loads before the tile before's arithmetic (226 registers: 2 programs per "
               "SM; NOTES.md 9e)",
 }
-# (attn_long: an attention.AttnVariant's fields in order: block_n, warps, programs_per_sm, early, ahead, dot)
+# (attn_long_f16: the long phase's variant on f16 caches, an attention.AttnVariant's fields in order: block_n, warps,
+# programs_per_sm, early, ahead, dot)
 FEATURE_ARGS: dict[str, dict[str, Any]] = {
-    "dot32": {"attn_long": (32, 4, 4, False, False, True)},
-    "dot64": {"attn_long": (64, 4, 3, False, False, True)},
-    "dot32a": {"attn_long": (32, 4, 3, False, True, True)},
-    "dot64a": {"attn_long": (64, 4, 2, False, True, True)},
+    "plain64": {"attn_long_f16": (64, 4, 4, False, False, False)},
+    "dot32": {"attn_long_f16": (32, 4, 4, False, False, True)},
+    "dot64": {"attn_long_f16": (64, 4, 3, False, False, True)},
+    "dot64a": {"attn_long_f16": (64, 4, 2, False, True, True)},
 }
+ATTN_KEYS = ("attn_long", "attn_long_f16")  # the TritonOps arguments that set a long-phase attention variant
 
 
 def attention_features() -> dict[str, tuple]:
-    """The features that set a long-phase attention variant: name -> its `attn_long` fields."""
-    return {name: kw["attn_long"] for name, kw in FEATURE_ARGS.items() if "attn_long" in kw}
+    """The features that set a long-phase attention variant: name -> its fields (`ATTN_KEYS`)."""
+    return {name: kw[key] for name, kw in FEATURE_ARGS.items() for key in ATTN_KEYS if key in kw}
 
 
 INT_FEATURES: tuple[str, ...] = ()  # features of the integer-dot kernels: only with base "triton"

@@ -58,7 +58,9 @@ class TritonOps:
     (`attention.ATTN_SHORT`: the early tile, 160 registers per thread at OLMoE's shape, 3 programs per SM), long
     (default `attention.ATTN_LONG`: the first tile after the prologue, 128 registers, 4 programs per SM; H100 Q4_K_M
     tg128 @ d4096 +6.6%, F16 +2.4%, NOTES.md 8n; None: no such phase) from `attention.attention_long_from`
-    (attn_long_from: that length instead, for tests and tuning). In both the KV length (and with several live splits per
+    (attn_long_from: that length instead, for tests and tuning); attn_long_f16: the long phase's variant where the
+    caches are f16 (default `attention.ATTN_LONG_F16`, the tensor-core tile: H200 Q4_K_M tg128 @ d2048 +3.0%,
+    NOTES.md 9i; None: attn_long's). In both the KV length (and with several live splits per
     head the first tile) is read before the PDL wait (`attention._attn_split_kernel`; NOTES.md 8o, 8r).
     attn_min_split: the fewest KV positions a live split takes (`attention.ATTN_MIN_SPLIT`; `_live_splits`).
     float_tiles: launch tiles (rows per program, blocks per K-step, warps) for the F32 / F16 / BF16 byte kernels'
@@ -78,7 +80,8 @@ class TritonOps:
                  qkv_fused: bool = True, down_ahead: int = qk.EXPERTS_AHEAD,
                  pdl: bool = True, down_route: bool = True, byte_down_route: bool = True,
                  attn_short: ak.AttnVariant = ak.ATTN_SHORT, attn_long: ak.AttnVariant | None = ak.ATTN_LONG,
-                 attn_long_from: int | None = None, attn_min_split: int = ak.ATTN_MIN_SPLIT,
+                 attn_long_f16: ak.AttnVariant | None = ak.ATTN_LONG_F16, attn_long_from: int | None = None,
+                 attn_min_split: int = ak.ATTN_MIN_SPLIT,
                  float_tiles: dict[str, tuple[int, int, int]] | None = None, argmax_fused: bool = True) -> None:
         self.words, self.pad, self.use_ints = words, pad, ints
         self.int_kinds = ik.INT_KINDS if int_kinds is None else int_kinds
@@ -90,6 +93,7 @@ class TritonOps:
         self._late_route: Route | None = None  # the route of a byte gate/up just launched `late` (for its down)
         self.attn_short = ak.AttnVariant(*attn_short)
         self.attn_long = None if attn_long is None else ak.AttnVariant(*attn_long)
+        self.attn_long_f16 = None if attn_long_f16 is None else ak.AttnVariant(*attn_long_f16)
         self.attn_long_from = attn_long_from
         self.attn_min_split = attn_min_split
         self.float_tiles = {k: qk.Tile(*t) for k, t in (float_tiles or {}).items()}
@@ -319,6 +323,8 @@ class TritonOps:
         p = min(self.attn_phase, len(table) - 1)
         if window > 0:
             p = min(p, bisect_right([start for start, _ in table], window) - 1)
+        if p > 0 and self.attn_long_f16 is not None and k_cache.dtype == torch.float16:
+            return self.attn_long_f16  # the long phase on f16 caches
         return table[p][1]
 
     def _attention_scratch(self, k_cache: torch.Tensor, out: torch.Tensor, block_n: int,

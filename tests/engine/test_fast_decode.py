@@ -185,7 +185,7 @@ def test_make_ops_names() -> None:
                  "wpre", "attnpipe", "kpipe", "dpipe", "attnlate", "attnlong", "attnpre", "attnl2", "attnmid",
                  "attnmidlate", "preshort", "prelong", "normmv", "split64", "rounds", "kvhead", "gupersist",
                  "gupre", "attnlongpre", "attnlongk", "argmax1", "kvl2", "kvl2all", "ahead32", "ahead64", "pipe32",
-                 "pipe32s4", "pipe32p6", "pipe64"):
+                 "pipe32s4", "pipe32p6", "pipe64", "dot32a"):
         # measured and deleted, or the default
         with pytest.raises(MoerunError, match=f"unknown decode ops feature '{gone}'"):
             parse_ops(f"triton+{gone}")
@@ -211,6 +211,7 @@ def test_attention_phases() -> None:
     """Where the long-context attention variant starts: once the default's splits (3 programs per SM) are all live
     and the long one's (4 per SM) are more; never in a context too short for that, nor for a sliding window too
     short to reach it."""
+    from moerun.kernels.gpu import sm_count
     from moerun.kernels.ops import make_ops
     from moerun.kernels.triton import attention as ak
     from moerun.kernels.triton_ops import TritonOps
@@ -223,8 +224,8 @@ def test_attention_phases() -> None:
     assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG, min_split=128) == 3201  # NOTES.md 8n
     assert ak.attention_long_from(1600, 16, 132, short, ak.ATTN_LONG) is None  # never reached
     assert ak.attention_long_from(4224, 16, 132, short, short) is None  # the same variant: no second phase
-    same_splits = (32, 4, 3, False, True, True)  # `dot32a`: as many splits as short, another loop
-    assert ak.attention_long_from(4224, 16, 132, short, same_splits) == 1601
+    # ATTN_LONG_F16 (dot32a until NOTES.md 9i) has as many splits as short: its phase starts where ATTN_LONG's would
+    assert ak.attention_long_from(4224, 16, 132, short, ak.ATTN_LONG_F16) == 1601
     assert ak.attention_long_from(1 << 20, 4, 132, short, ak.ATTN_LONG) == 99 * 64 + 1
     assert make_ops("triton").attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 385)  # NOTES 8n, 8r, 8t
     assert TritonOps(attn_min_split=128).attention_phases(1 << 16, 2, torch.device("cpu")) == (1, 769)
@@ -238,6 +239,19 @@ def test_attention_phases() -> None:
     feat.attn_phase = 1
     launch = feat._attn_launch(k16, o, 0)
     assert (launch["dot"], launch["ahead"], launch["block_n"]) == (True, False, 64)
+    # the default long phase: ATTN_LONG_F16 on f16 caches, ATTN_LONG on the others and with `plain64`
+    for ops_name, cache, want in (("triton", torch.float16, ak.ATTN_LONG_F16), ("triton", torch.float32, ak.ATTN_LONG),
+                                  ("triton", torch.bfloat16, ak.ATTN_LONG),
+                                  ("triton+plain64", torch.float16, ak.ATTN_LONG)):
+        t = make_ops(ops_name)
+        t.attn_phase = 1
+        assert t._attn_variant(torch.empty(1024, 1, 64, dtype=cache), o, 0) == want, (ops_name, cache)
+        launch = t._attn_launch(torch.empty(1024, 1, 64, dtype=cache), o, 0)
+        assert (launch["block_n"], launch["ahead"], launch["dot"]) == (want.block_n, want.ahead, want.dot)
+        assert launch["scratch"][0].shape[1] == ak.attention_splits(1024, 2, sm_count(o.device), want.block_n,
+                                                                     want.programs_per_sm)
+        t.attn_phase = 0
+        assert t._attn_variant(torch.empty(1024, 1, 64, dtype=cache), o, 0) == short
     t = TritonOps(attn_long=None)
     assert t.attention_phases(1 << 16, 2, torch.device("cpu")) == (1,)
     t = TritonOps()  # the CPU counts as 4 SMs: 2 heads take 6 splits, 8 with the long variant
