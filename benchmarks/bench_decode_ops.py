@@ -6,7 +6,10 @@ Every time is measured inside a CUDA graph (how the engine runs them): REPS laun
 replayed ITERS times, median per launch. Attention uses one cache pair per layer (16 layers, OLMoE-1B-7B shape:
 16 heads, no GQA, D=128, n_ctx 4096) and cycles through them, so the KV bytes come from HBM, not from L2.
 Achieved GB/s counts the K and V bytes one layer must read (kv_len x Hkv x (D + Dv) x element size), compared with
-a device-to-device copy measured in the same run (read + write bytes / time).
+a device-to-device copy measured in the same run (read + write bytes / time). `us` is the split launch and the
+reduce launch without the RoPE prologue; `step us` the one launch as the fast step makes it (the full-width QK-norm +
+NeoX RoPE + KV store prologue, the fused combine), which is what `sweep_ops.py --attn` ranks the features by: the
+pipelined loops led `us` and lost in the step (NOTES.md 9i).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, rows: list[dict],
                     block_n: int = ak.ATTN_BLOCK_N, num_warps: int = 4,
                     programs_per_sm: int = ak.ATTN_PROGRAMS_PER_SM, tag: str = "",
-                    min_split: int = ak.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False) -> None:
+                    min_split: int = ak.ATTN_MIN_SPLIT, ahead: bool = False, dot: bool = False,
+                    early: bool = True) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     ks = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
     vs = [torch.randn(N_CTX, HKV, D, device="cuda", generator=g).to(dtype) for _ in range(LAYERS)]
@@ -55,6 +59,11 @@ def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, 
     n_splits = ak.attention_splits(N_CTX, H, sm, block_n, programs_per_sm)
     scratch = ak.attention_scratch(H, D, n_splits, "cuda")
     scale = D ** -0.5
+    # the step's launch: q, k, v raw projections, OLMoE's full-width QK-norm, NeoX RoPE, the fused combine
+    kr, vr = (torch.randn(HKV * D, device="cuda", generator=g) for _ in range(2))
+    rope = ak.RopeStore(kr, vr, torch.ones(H * D, device="cuda"), torch.ones(HKV * D, device="cuda"),
+                        ops.rope_table(N_CTX, D, 10000.0, device="cuda"), 1e-6, "full", "neox")
+    counters = torch.zeros(H, dtype=torch.int32, device="cuda")
     for L in kv_lens:
         kv_len_t = torch.tensor([L], device="cuda", dtype=torch.int32)
 
@@ -62,6 +71,11 @@ def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, 
             ak.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, split, reduce,
                                  min_split=min_split, ahead=ahead, dot=dot)
 
+        def step(i: int, kv_len_t: torch.Tensor = kv_len_t) -> None:
+            ak.attention_decode(q, ks[i], vs[i], kv_len_t, scale, 0, out, scratch, block_n, num_warps, rope=rope,
+                                counters=counters, min_split=min_split, early=early, ahead=ahead, dot=dot)
+
+        t_step = graph_us([lambda i=i: step(i) for i in range(LAYERS)])  # (writes row L-1: before the check below)
         call(0)
         want = ref.attention(q[None], ks[0][:L], vs[0][:L], torch.tensor([L - 1], device="cuda"), scale)[0]
         err = float((out - want).abs().max() / want.abs().max())
@@ -72,11 +86,11 @@ def bench_attention(dtype: torch.dtype, kv_lens: list[int], sm: int, bw: float, 
         gbs = kv_bytes / t_all / 1e3
         rows.append(dict(kernel=f"attention{tag}", dtype=str(dtype).removeprefix("torch."), kv_len=L,
                          splits=n_splits, block_n=block_n, num_warps=num_warps, us=t_all, split_us=t_split,
-                         reduce_us=t_red, kv_mb=kv_bytes / 1e6, gbs=gbs, pct_copy_bw=100 * gbs / bw, max_rel_err=err))
+                         reduce_us=t_red, step_us=t_step, kv_mb=kv_bytes / 1e6, gbs=gbs, pct_copy_bw=100 * gbs / bw,
+                         max_rel_err=err))
         print(f"| attention{tag} | {rows[-1]['dtype']} | {L:5d} | {n_splits:3d} x {block_n:3d}/{num_warps}w "
-              f"| {t_all:7.2f} "
-              f"| {t_split:7.2f} | {t_red:6.2f} | {kv_bytes / 1e6:6.2f} | {gbs:7.0f} | {100 * gbs / bw:5.1f}% "
-              f"| {err:.1e} |", flush=True)
+              f"| {t_all:7.2f} | {t_split:7.2f} | {t_red:6.2f} | {t_step:7.2f} | {kv_bytes / 1e6:6.2f} | {gbs:7.0f} "
+              f"| {100 * gbs / bw:5.1f}% | {err:.1e} |", flush=True)
 
 
 def bench_small(rows: list[dict]) -> None:
@@ -131,18 +145,21 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     print(f"{props.name}, {sm} SMs; device copy {bw:.0f} GB/s (read + write)\n")
     rows: list[dict] = []
-    print("| kernel | cache | kv_len | splits x block_n/warps | us | split us | reduce us | KV MB | GB/s | % copy bw "
-          "| max rel err |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| kernel | cache | kv_len | splits x block_n/warps | us | split us | reduce us | step us | KV MB | GB/s "
+          "| % copy bw | max rel err |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float16, torch.float32):
         bench_attention(dtype, [1, 17, 128, 512, 4095, 4096], sm, bw, rows)
     # 4 programs per SM (33 splits at OLMoE's shape): faster here at 4,096, 5% slower in the step (NOTES.md 8a)
-    bench_attention(torch.float16, [512, 4096], sm, bw, rows, tag=" pps=4", programs_per_sm=4)
+    bench_attention(torch.float16, [512, 2048, 4096], sm, bw, rows, tag=" pps=4", programs_per_sm=4, early=False)
+    lf = ak.ATTN_LONG_F16  # the long phase's default on f16 caches (NOTES.md 9i)
+    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, lf.block_n, lf.warps, lf.programs_per_sm,
+                    tag=" long_f16", ahead=lf.ahead, dot=lf.dot, early=lf.early)
     # the ops features' long-phase variants not yet measured (moerun.kernels.ops.attention_features), each row tagged
     # with its feature's name (`sweep_ops.py --attn` picks the fastest for the whole-step A/B); no RoPE prologue here
     for name, fields in attention_features().items():
         v = ak.AttnVariant(*fields)
         bench_attention(torch.float16, [2048, 4096], sm, bw, rows, v.block_n, v.warps, v.programs_per_sm,
-                        tag=f" {name}", ahead=v.ahead, dot=v.dot)
+                        tag=f" {name}", ahead=v.ahead, dot=v.dot, early=v.early)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)
         for block_n, warps, pps, ms in ((32, 4, 4, 32), (64, 4, 2, 64), (64, 4, 8, 64), (64, 4, 8, 128),

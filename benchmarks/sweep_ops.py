@@ -40,8 +40,9 @@ def ops_from_sweep(rows: list[dict], kind: str, top: int) -> list[str]:
 
 def ops_from_attn(rows: list[dict], features: set[str], top: int, kv_len: int = 4096) -> list[str]:
     """['triton', 'triton+FEATURE', ...]: the `top` features (of `features`) whose attention rows ("attention
-    FEATURE", f16 cache) are fastest at kv_len."""
-    timed = [(r["us"], r["kernel"].removeprefix("attention ")) for r in rows
+    FEATURE", f16 cache) are fastest at kv_len: by the step's launch (`step_us`, bench_decode_ops.py) where the row
+    has it, else by `us`."""
+    timed = [(r.get("step_us", r["us"]), r["kernel"].removeprefix("attention ")) for r in rows
              if r["kernel"].startswith("attention ") and r.get("kv_len") == kv_len and r.get("dtype") == "float16"]
     names = [name for _us, name in sorted(timed) if name in features]
     if not names:

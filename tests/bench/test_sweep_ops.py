@@ -42,9 +42,9 @@ def test_errors_name_the_missing_case(tmp_path, capsys):
 
 ATTN_ROWS = [
     {"kernel": "attention", "dtype": "float16", "kv_len": 4096, "us": 9.0},
-    {"kernel": "attention pipe32", "dtype": "float16", "kv_len": 4096, "us": 7.0},
+    {"kernel": "attention pipe32", "dtype": "float16", "kv_len": 4096, "us": 7.0, "step_us": 12.0},
     {"kernel": "attention pipe32", "dtype": "float16", "kv_len": 2048, "us": 1.0},
-    {"kernel": "attention dot64", "dtype": "float16", "kv_len": 4096, "us": 8.0},
+    {"kernel": "attention dot64", "dtype": "float16", "kv_len": 4096, "us": 8.0, "step_us": 9.5},
     {"kernel": "attention ahead32", "dtype": "float16", "kv_len": 4096, "us": 6.0},
     {"kernel": "attention pps=4", "dtype": "float16", "kv_len": 4096, "us": 5.0},
     {"kernel": "attention dot32", "dtype": "float32", "kv_len": 4096, "us": 1.0},
@@ -52,10 +52,11 @@ ATTN_ROWS = [
 
 
 def test_fastest_attention_features(tmp_path, capsys, monkeypatch):
-    """--attn: the features' rows at 4,096 positions, fastest first; rows that are no feature (the default, the
-    pps=4 policy) or at another length / cache dtype are left out."""
+    """--attn: the features' rows at 4,096 positions, fastest first by the step's launch (`step_us`) where a row has
+    it (pipe32's loop alone is faster than dot64's, its step launch slower: NOTES.md 9i), else by `us`; rows that are
+    no feature (the default, the pps=4 policy) or at another length / cache dtype are left out."""
     feats = {"pipe32", "dot64", "ahead32", "dot32"}
-    assert sweep_ops.ops_from_attn(ATTN_ROWS, feats, 2) == ["triton", "triton+ahead32", "triton+pipe32"]
+    assert sweep_ops.ops_from_attn(ATTN_ROWS, feats, 2) == ["triton", "triton+ahead32", "triton+dot64"]
     assert sweep_ops.ops_from_attn(ATTN_ROWS, {"dot64"}, 5) == ["triton", "triton+dot64"]
     with pytest.raises(ValueError, match="no attention row of a feature"):
         sweep_ops.ops_from_attn(ATTN_ROWS, {"dot32"}, 2)
@@ -63,10 +64,10 @@ def test_fastest_attention_features(tmp_path, capsys, monkeypatch):
     f.write_text(json.dumps({"rows": ATTN_ROWS}))
     from moerun.kernels import ops
 
-    # main's features: FEATURE_ARGS's entries with an attention variant
-    monkeypatch.setattr(ops, "FEATURE_ARGS", {"pipe32": {"attn_long": ()}, "dot64": {"attn_long": ()},
+    # main's features: FEATURE_ARGS's entries with an attention variant (either key of ops.ATTN_KEYS)
+    monkeypatch.setattr(ops, "FEATURE_ARGS", {"pipe32": {"attn_long": ()}, "dot64": {"attn_long_f16": ()},
                                               "ahead32": {"ints": False}})
     assert sweep_ops.main([str(f), "--attn", "--top", "1"]) == 0
-    assert capsys.readouterr().out.strip() == "triton,triton+pipe32"
+    assert capsys.readouterr().out.strip() == "triton,triton+dot64"
     assert sweep_ops.main([str(f)]) == 1
     assert "--kind is required" in capsys.readouterr().err
