@@ -3,10 +3,11 @@
     python benchmarks/sass_attention.py [--variants short,long,dot32,...] [--n-ctx 4224] [--dump DIR] [--check]
 
 Each variant (`short` / `long` / `long_f16`: attention.ATTN_SHORT / ATTN_LONG / ATTN_LONG_F16; any other name: an
-ops feature's long-phase variant, moerun.kernels.ops.attention_features)
-is launched as the fast step launches it at OLMoE-1B-7B's shape (16 heads of 128,
-f16 caches of n_ctx positions, full QK-norm + NeoX RoPE prologue, the fused combine, PDL) on CPU tensors with the
-kernel replaced by a recorder, then compiled for sm_90 with Triton's bundled ptxas (`sass_qgemm.compile_launch`).
+ops feature's long-phase variant, moerun.kernels.ops.attention_features; or a variant's fields, "(32;4;3;1;1;1)":
+block_n, warps, programs_per_sm, early, ahead, dot) is launched as the fast step launches it at OLMoE-1B-7B's shape
+(16 heads of 128, f16 caches of n_ctx positions, full QK-norm + NeoX RoPE prologue, the fused combine, PDL) on CPU
+tensors with the kernel replaced by a recorder, then compiled for sm_90 with Triton's bundled ptxas
+(`sass_qgemm.compile_launch`).
 Reported: splits at 132 SMs, registers per thread, shared memory, the programs per SM both allow (65,536 registers,
 228 KB), the tile loop's instructions (per tile and per 64 positions) and its global loads, cp.async copies
 (LDGSTS) and tensor-core instructions. How NOTES.md's static tables (9c, 9e, 9g) were made. --check: exit 1
@@ -39,6 +40,9 @@ def variant(name: str) -> ak.AttnVariant:
     if "@" in name:
         base, _, pps = name.partition("@")
         return variant(base)._replace(programs_per_sm=int(pps))
+    if name.startswith("("):  # a variant's fields: (32;4;3;1;1;1) = block_n, warps, programs_per_sm, early, ahead, dot
+        f = [int(x) for x in name.strip("()").split(";")]
+        return ak.AttnVariant(f[0], f[1], f[2], bool(f[3]), bool(f[4]), bool(f[5]))
     if name == "short":
         return ak.ATTN_SHORT
     if name == "long":

@@ -33,6 +33,10 @@ FEATURES: dict[str, str] = {
              "registers: 3 programs per SM; NOTES.md 9e)",
     "dot64a": "dot64 with each next tile's loads before the tile before's arithmetic (226 registers: 2 programs per "
               "SM; NOTES.md 9e)",
+    "dot32ae": "the long phase's f16 default (ATTN_LONG_F16) with its first 32-position tile loaded before the PDL "
+               "wait, while the q/k/v product runs, as the short phase's (158 registers: still 3 per SM; NOTES.md 9j)",
+    "dot32e": "dot32 with its first tile before the PDL wait (114 registers: 4 programs per SM, 33 splits; NOTES.md "
+              "9j)",
 }
 # (attn_long_f16: the long phase's variant on f16 caches, an attention.AttnVariant's fields in order: block_n, warps,
 # programs_per_sm, early, ahead, dot)
@@ -41,6 +45,8 @@ FEATURE_ARGS: dict[str, dict[str, Any]] = {
     "dot32": {"attn_long_f16": (32, 4, 4, False, False, True)},
     "dot64": {"attn_long_f16": (64, 4, 3, False, False, True)},
     "dot64a": {"attn_long_f16": (64, 4, 2, False, True, True)},
+    "dot32ae": {"attn_long_f16": (32, 4, 3, True, True, True)},
+    "dot32e": {"attn_long_f16": (32, 4, 4, True, False, True)},
 }
 ATTN_KEYS = ("attn_long", "attn_long_f16")  # the TritonOps arguments that set a long-phase attention variant
 

@@ -77,11 +77,15 @@ elif sys.argv[2] == "byte_down_route":  # the F16 down ranking its experts from 
 elif sys.argv[2] == "embed":  # the step's first kernel: its wait before its trigger
     fn, consts = ek._embed_kernel, {"QTYPE": 1, "BKC": 256, "PDL": pdl}
     types = {"w_ptr": "*fp16", "ids_ptr": "*i64", "scale": "fp32", "K": "i32", "stride_w": "i32", "stride_out": "i32"}
-elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + full QK-norm: short / long
+elif sys.argv[2].startswith("attn_"):  # OLMoE's split attention with RoPE + full QK-norm: attn_short / attn_long or
+    # a variant's (block_n, early, ahead, dot): attn_32_1_1_1
     fn = ak._attn_split_kernel
-    consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=64, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
+    name = sys.argv[2].removeprefix("attn_")
+    bn, early, ahead, dot = {"short": (64, 1, 0, 0), "long": (64, 0, 0, 0)}.get(name) or map(int, name.split("_"))
+    consts = dict(G=1, D=128, DV=128, N_SPLITS=25, BLOCK_N=bn, BLOCK_D=128, BLOCK_DV=128, ROPE=True, H=16, R=128,
                   QK_NORM=2, NEOX=1, K_BF16=False, V_BF16=False, BLOCK_FQ=2048, BLOCK_FK=2048, FUSED=True,
-                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=sys.argv[2] == "attn_short", PDL=pdl)
+                  BLOCK_S=32, PERM=False, X24=False, MIN_SPLIT=128, EARLY=bool(early), AHEAD=bool(ahead),
+                  DOT=bool(dot), PDL=pdl)
     types = {"k_ptr": "*fp16", "v_ptr": "*fp16", "len_ptr": "*i64", "cnt_ptr": "*i32", "qk_scale": "fp32",
              "eps": "fp32", "window": "i32", "k_sn": "i32", "k_sh": "i32", "v_sn": "i32", "v_sh": "i32"}
 elif sys.argv[2] == "fmv_pre":  # the F16 byte matvec, 2 rows, K = 2048 in two steps: the first's weights ahead
@@ -137,13 +141,22 @@ def test_step_boundary_and_attention_pre() -> None:
     """sm_90 PTX with PDL: the step's first kernel (embed) waits before it lets the next launch, so nothing of a step
     starts before the step before has finished; the split attention with RoPE reads the length, waits there only
     with one live split, loads its first K / V tile (16 loads: 8 K and 8 V vectors) before its last wait (the short
-    phase's early tile) or after it (the long phase's), and only then lets the next kernel launch, and stores."""
+    phase's early tile) or after it (the long phase's), and only then lets the next kernel launch, and stores; the
+    same for the f16 long phase's tensor-core tile (`ATTN_LONG_F16`: its 32-position tile after the wait) and with
+    `dot32ae`'s early tile (before it: half the 64-position tile's loads)."""
     ptx = _ptx("embed", True)
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     first = re.search(r"\b(ld|st)\.global", ptx)
     assert 0 <= wait < trig and first is not None and wait < first.start()
+    from moerun.kernels.ops import FEATURE_ARGS
+    from moerun.kernels.triton import attention as ak
+
     tiles = {}
-    for phase in ("short", "long"):
+    lf = ak.ATTN_LONG_F16
+    f16 = f"{lf.block_n}_{int(lf.early)}_{int(lf.ahead)}_{int(lf.dot)}"  # block_n, early, ahead, dot
+    early = "32_1_1_1"
+    assert FEATURE_ARGS["dot32ae"]["attn_long_f16"] == lf._replace(early=True)
+    for phase in ("short", "long", f16, early):
         ptx = _ptx(f"attn_{phase}", True)
         trig, wait, last = (ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait"),
                             ptx.rfind("griddepcontrol.wait"))
@@ -152,7 +165,8 @@ def test_step_boundary_and_attention_pre() -> None:
         assert len(re.findall(r"\bld\.global", ptx[:wait])) == 1, phase  # the length
         tile = len(re.findall(r"\bld\.global", ptx[wait:last]))
         tiles[phase] = tile
-    assert tiles["short"] >= 16 and tiles["long"] == 0, tiles
+    assert tiles["short"] >= 16 and tiles["long"] == 0 and tiles[f16] == 0, tiles
+    assert tiles[early] == tiles["short"] // 2, tiles
 
 
 @pytest.mark.parametrize(("gate_up", "down", "min_loads"), [("gate_up_late", "down_route", 2 * 4 * 2),
