@@ -368,20 +368,22 @@ def test_qkv_fused_without_a_second_copy(model_file) -> None:
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors under Triton's interpreter only (on CUDA the tests above run the Triton step)")
-@pytest.mark.parametrize(("ops", "ftype"),
-                         [("triton", "q4_k_m"), ("triton", "f16"), *((f, "f16") for f in ALL_FEATURES)])
-def test_triton_step_in_the_interpreter(ops: str, ftype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("ops", "ftype", "kv"),
+                         [("triton", "q4_k_m", "float32"), ("triton", "f16", "float32"), ("triton", "f16", "float16"),
+                          *((f, "f16", "float16") for f in ALL_FEATURES)])
+def test_triton_step_in_the_interpreter(ops: str, ftype: str, kv: str, tmp_path: Path) -> None:
     """The Triton ops' step on the CPU under Triton's interpreter (about a minute a step): two steps of synth's tiny
     OLMoE Q4_K_M mix against the reference, so CI runs the fused kernels' wiring (RMSNorm in the router launch,
     top-k in the gate/up launch, QK-norm + RoPE + KV store in the attention launch, the integer-dot kernels with x
     quantized by its producers, the attention's reduce in its split launch, a layer's Q4_K q/k and Q6_K v in one
     launch) end to end, the second step in the long attention phase; the F16 file's byte-decoding kernels (top-k in
-    their gate/up launch too) in ~15 s, three steps, and on it the features not yet measured, all at once."""
+    their gate/up launch too) in ~15 s, three steps, also with an f16 KV cache (the CUDA default: the long phase's
+    tensor-core tile, `attention.ATTN_LONG_F16`), and on it the features not yet measured, all at once."""
     from moerun.synth import synthesize
 
     path = tmp_path / f"tiny-olmoe-{ftype}.gguf"
     synthesize("tiny-olmoe-1b-7b", ftype, path, progress=False)
-    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype="float32")
+    kw = dict(device=TEST_DEVICE, dtype="float32", kv_dtype=kv)
     tokens = [5, 17] if ftype == "q4_k_m" else [5, 17, 3]
     ref = Engine(path, fast=False, **kw).forward(tokens)
     eng = Engine(path, fast=True, ops=ops, graph=False, **kw)
