@@ -52,7 +52,7 @@ ATTN_SHORT = AttnVariant(ATTN_BLOCK_N, 4, ATTN_PROGRAMS_PER_SM, True, False, Fal
 # depth 0 its extra round trip costs 3% (NOTES.md 8n)
 ATTN_LONG = AttnVariant(ATTN_BLOCK_N, 4, 4, False, False, False)
 # the long phase where the caches are f16 (OLMoE's default): q.k and p.v on the tensor cores, tiles of 32 positions,
-# each next tile's loads ahead of the tile before's arithmetic (162 registers: 3 programs per SM). H200 Q4_K_M tg128
+# each next tile's loads ahead of the tile before's arithmetic (159 registers: 3 programs per SM). H200 Q4_K_M tg128
 # @ d2048 +3.0%, @ d4096 +0.1% against ATTN_LONG (NOTES.md 9i)
 ATTN_LONG_F16 = AttnVariant(32, 4, 3, False, True, True)
 
