@@ -18,7 +18,8 @@
 #   with AB1_TREE=NAME (export:AB1_TREE=old) the package in abtree/NAME runs it, e.g. an older commit's features),
 #   llamacpp:build / llamacpp:TYPE[:DEPTHS] (llama.cpp's llama-bench beside moerun bench: benchmarks/llamacpp.sh),
 #   sweepab:TYPE:KIND[:N] (sweep:TYPE of one KIND, then ab1 of the default and its N fastest other tiles),
-#   attnab:TYPE[:N] (the attention micro, then ab1 of the default and the N long-phase features fastest in it),
+#   attnab:TYPE[:N] (the attention micro, then ab1 of the default and the N long-phase features whose launch as the
+#   step makes it, `step us`, is fastest in it),
 #   export:VAR=VALUE / unset:VAR (environment of the later stages), pytest:EXPR (tests/kernels -k EXPR).
 # Prefix the call with MOERUN_COMMIT=<this tree's git hash>: the device copy's .git may be stale (the bench
 # JSON also records `source_sha`, a hash of the package's .py files, whatever git says).
