@@ -149,16 +149,14 @@ def main() -> None:
           "| % copy bw | max rel err |\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float16, torch.float32):
         bench_attention(dtype, [1, 17, 128, 512, 4095, 4096], sm, bw, rows)
-    # 4 programs per SM (33 splits at OLMoE's shape): faster here at 4,096, 5% slower in the step (NOTES.md 8a)
-    bench_attention(torch.float16, [512, 2048, 4096], sm, bw, rows, tag=" pps=4", programs_per_sm=4, early=False)
-    lf = ak.ATTN_LONG_F16  # the long phase's default on f16 caches (NOTES.md 9i)
-    bench_attention(torch.float16, [2048, 4096], sm, bw, rows, lf.block_n, lf.warps, lf.programs_per_sm,
-                    tag=" long_f16", ahead=lf.ahead, dot=lf.dot, early=lf.early)
-    # the ops features' long-phase variants not yet measured (moerun.kernels.ops.attention_features), each row tagged
-    # with its feature's name (`sweep_ops.py --attn` picks the fastest for the whole-step A/B); no RoPE prologue here
-    for name, fields in attention_features().items():
-        v = ak.AttnVariant(*fields)
-        bench_attention(torch.float16, [2048, 4096], sm, bw, rows, v.block_n, v.warps, v.programs_per_sm,
+    # the long phase's variants (f16 caches): ATTN_LONG ("pps=4": 4 programs per SM, 33 splits at OLMoE's shape;
+    # NOTES.md 8a, 8n), ATTN_LONG_F16 (the f16 default, NOTES.md 9i), then the ops features' variants not yet measured
+    # (moerun.kernels.ops.attention_features), each row tagged with its feature's name (`sweep_ops.py --attn` picks
+    # the fastest `step us` for the whole-step A/B)
+    long_rows = [("pps=4", ak.ATTN_LONG, [512, 2048, 4096]), ("long_f16", ak.ATTN_LONG_F16, [2048, 4096])]
+    long_rows += [(name, ak.AttnVariant(*fields), [2048, 4096]) for name, fields in attention_features().items()]
+    for name, v, kv_lens in long_rows:
+        bench_attention(torch.float16, kv_lens, sm, bw, rows, v.block_n, v.warps, v.programs_per_sm,
                         tag=f" {name}", ahead=v.ahead, dot=v.dot, early=v.early)
     if not args.no_sweep:
         # (min_split = block_n: every split with a tile of work is live, as before c8b9bfd; 128 caps them at len/128)

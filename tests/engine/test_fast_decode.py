@@ -208,9 +208,9 @@ def test_make_ops_names() -> None:
 
 
 def test_attention_phases() -> None:
-    """Where the long-context attention variant starts: once the default's splits (3 programs per SM) are all live
-    and the long one's (4 per SM) are more; never in a context too short for that, nor for a sliding window too
-    short to reach it."""
+    """Where the long-context attention variant starts: once the short variant's splits (3 programs per SM) are all
+    live, whether the long one has more (ATTN_LONG, 4 per SM) or as many (ATTN_LONG_F16); never in a context too
+    short for that, nor for a sliding window too short to reach it; which long variant runs, by cache dtype."""
     from moerun.kernels.gpu import sm_count
     from moerun.kernels.ops import make_ops
     from moerun.kernels.triton import attention as ak
